@@ -1,0 +1,65 @@
+"""All the RLHF math as small pure tensor functions (DESIGN section 6).
+
+No config objects and no torch.distributed in here: callers pass global counts / statistics in.
+Shapes: B batch, T full sequence, A response (action) tokens; ``mask`` [B, A] is 1 over the
+response up to and including EOS, 0 after.
+"""
+
+from .advantages import gae_advantages, group_advantages, overlong_penalty, reinforce_pp_returns
+from .controllers import AdaptiveKLController, FixedKLController, ema_update_
+from .kl import kl_estimate, kl_penalized_rewards
+from .losses import (
+    aggregate_loss,
+    clipped_value_loss,
+    dpo_loss,
+    kl_loss,
+    pairwise_loss,
+    ppo_policy_loss,
+    sft_loss,
+)
+from .stats import (
+    entropy_from_logits,
+    gather_last_real,
+    last_real_token_index,
+    logprobs_from_logits,
+    masked_mean,
+    masked_moments,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+    mean_var_from_moments,
+)
+
+__all__ = [
+    # stats
+    "masked_sum",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "masked_moments",
+    "mean_var_from_moments",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "last_real_token_index",
+    "gather_last_real",
+    # kl / rewards
+    "kl_estimate",
+    "kl_penalized_rewards",
+    # advantages
+    "gae_advantages",
+    "group_advantages",
+    "reinforce_pp_returns",
+    "overlong_penalty",
+    # losses
+    "aggregate_loss",
+    "ppo_policy_loss",
+    "clipped_value_loss",
+    "kl_loss",
+    "pairwise_loss",
+    "sft_loss",
+    "dpo_loss",
+    # controllers / EMA
+    "FixedKLController",
+    "AdaptiveKLController",
+    "ema_update_",
+]

@@ -1,0 +1,163 @@
+"""``load_phase_data``: the rows one training step uses, from one or several sources, with reports.
+
+For each source separately:
+  1. read every row in file order (sources.py) and detect its format (formats.py);
+  2. take this phase's share of a seeded permutation of all row indices (splits.py);
+  3. convert the share's rows, skipping (and counting) those unusable for ``need``,
+     or raising on the first one under ``strict``;
+  4. cut the usable rows into train and eval.
+The sources' train lists are concatenated (blended), and so are their eval lists.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from rlhfkit.data.formats import NEEDS, Example, Skip, convert_row, detect_format
+from rlhfkit.data.sources import read_source, split_paths
+from rlhfkit.data.splits import STEP_NAMES, cut_eval, parse_data_split, phase_rows
+from rlhfkit.errors import ConfigError, DataError
+
+FIRST_SKIPS = 5  # how many (row, reason) examples a report keeps
+_ORDER = {"prompts": 0, "sft": 1, "pairs": 2}
+_NEED_WORDS = {
+    "sft": "prompts with responses",
+    "pairs": "prompts with chosen and rejected responses",
+    "prompts": "prompts",
+}
+
+
+@dataclass
+class SourceReport:
+    """What was read from one source for one phase; printed by the programs, kept in the manifest."""
+
+    path: str  # as given in --data_path
+    format: str  # "hh-rlhf (jsonl.gz)": row format (container)
+    sha256: str  # of the file's bytes (directory / hub: of its parts)
+    rows: int  # rows in the whole source
+    kept: int  # usable rows in this phase's share (= train_rows + eval_rows)
+    skipped: dict[str, int]  # reason -> count, among this phase's share
+    first_skips: list[tuple[int, str]]  # the first few (row, reason), by row number
+    phase: int = 0
+    need: str = ""
+    share_rows: int = 0  # rows in this phase's share (= kept + skipped)
+    train_rows: int = 0
+    eval_rows: int = 0
+
+    def summary(self) -> str:
+        line = (
+            f"{self.path} [{self.format}, sha256 {self.sha256[:12]}]: {self.rows} rows; "
+            f"phase {self.phase} share {self.share_rows}, kept {self.kept} for {self.need} "
+            f"(train {self.train_rows}, eval {self.eval_rows})"
+        )
+        if not self.skipped:
+            return line + ", none skipped"
+        return f"{line}\n  {self.skips_text()}"
+
+    def skips_text(self) -> str:
+        """``skipped 3: empty response 2, chosen == rejected 1; first rows: 4 (empty response), ...``"""
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(self.skipped.items(), key=lambda x: -x[1]))
+        first = ", ".join(f"{row} ({r})" for row, r in self.first_skips)
+        return f"skipped {sum(self.skipped.values())}: {reasons}; first rows: {first}"
+
+
+def load_phase_data(
+    paths: str | list[str],
+    phase: int,
+    need: str,
+    data_split: str = "2,4,4",
+    seed: int = 1234,
+    eval_fraction: float = 0.1,
+    strict: bool = False,
+    max_eval: int | None = None,
+) -> tuple[list[Example], list[Example], list[SourceReport]]:
+    """(train, eval, reports) for one step.
+
+    phase: 1, 2 or 3, which of the ``data_split`` shares ("2,4,4": 20%/40%/40%) this step takes.
+    need: "sft" (prompt + chosen), "pairs" (chosen and rejected, different) or "prompts".
+    eval_fraction: part of each source's usable share held out for eval (>= 1 row when there
+        are >= 2); max_eval caps the eval rows taken from each source (the rest stay in train).
+    strict: raise DataError on the first unusable row instead of skipping and counting it.
+    """
+    if phase not in (1, 2, 3):
+        raise ConfigError(f"phase must be 1, 2 or 3, not {phase!r}")
+    if need not in NEEDS:
+        raise ConfigError(f"need must be one of {', '.join(NEEDS)}, not {need!r}")
+    if not 0 <= eval_fraction < 1:
+        raise ConfigError(f"eval_fraction must be in [0, 1), not {eval_fraction!r}")
+    fractions = parse_data_split(data_split)
+    if fractions[phase - 1] == 0:
+        raise DataError(
+            f"--data_split {data_split} gives {STEP_NAMES[phase]} no share of the data (its share is 0). "
+            f"Give it a share, e.g. --data_split 2,4,4 to split one dataset across the three steps, or "
+            f"{_only_phase(phase)} to give this step all rows of its own dataset."
+        )
+    sources = split_paths(paths)
+    if not sources:
+        raise DataError("no data given: pass one or more files with --data_path.")
+
+    train: list[Example] = []
+    evals: list[Example] = []
+    reports: list[SourceReport] = []
+    for path in sources:
+        t, e, report = _load_source(path, phase, need, data_split, fractions, seed,
+                                    eval_fraction, strict, max_eval)
+        train += t
+        evals += e
+        reports.append(report)
+    return train, evals, reports
+
+
+def _only_phase(phase: int) -> str:
+    return "--data_split " + ",".join("10" if p == phase else "0" for p in (1, 2, 3))
+
+
+def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval):
+    raw = read_source(path)
+    fmt = detect_format(raw)
+    if _ORDER[fmt.provides] < _ORDER[need]:
+        raise DataError(
+            f"{path} holds {_NEED_WORDS[fmt.provides]} (format {fmt.name}), but "
+            f"{STEP_NAMES[phase]} needs {_NEED_WORDS[need]}. Use this file for a step that needs "
+            f"{_NEED_WORDS[fmt.provides]}, or pass another --data_path."
+        )
+    share = phase_rows(len(raw.rows), fractions, phase, seed)
+    if not share:
+        raise DataError(
+            f"--data_split {data_split} leaves {STEP_NAMES[phase]} no rows of {path}: its share "
+            f"({fractions[phase - 1]:.0%}) of {len(raw.rows)} rows rounds to 0. Use more data, or give "
+            f"this step a larger share, e.g. {_only_phase(phase)}."
+        )
+
+    usable: dict[int, Example] = {}
+    skipped: Counter[str] = Counter()
+    first_skips: list[tuple[int, str]] = []
+    for row in sorted(share):  # file order, so that "the first" skipped rows are the first
+        try:
+            usable[row] = convert_row(fmt, raw, row, need)
+        except Skip as s:
+            if strict:
+                detail = f" ({s.detail})" if s.detail else ""
+                raise DataError(
+                    f"{path}: row {row} ({raw.where(row)}): {s.reason}{detail}. Fix or remove the "
+                    "row, or run without --strict to skip such rows (they are counted and reported)."
+                ) from None
+            skipped[s.reason] += 1
+            if len(first_skips) < FIRST_SKIPS:
+                first_skips.append((row, s.reason))
+
+    report = SourceReport(
+        path=path, format=f"{fmt.name} ({raw.container})", sha256=raw.sha256, rows=len(raw.rows),
+        kept=len(usable), skipped=dict(skipped), first_skips=first_skips, phase=phase, need=need,
+        share_rows=len(share),
+    )
+    if not usable:
+        raise DataError(
+            f"{path} has no usable rows for {STEP_NAMES[phase]} (need {need}): all "
+            f"{len(share)} rows of its share were {report.skips_text()}. Check the file against "
+            f"its format ({report.format}), or run with --strict to stop at the first bad row."
+        )
+    train, evals = cut_eval([usable[i] for i in share if i in usable], eval_fraction, max_eval)
+    report.train_rows, report.eval_rows = len(train), len(evals)
+    return train, evals, report

@@ -1,0 +1,126 @@
+"""Process-group set-up and small collective helpers.
+
+Works the same under ``deepspeed`` (CUDA + NCCL, or DeepSpeed's CPU accelerator + gloo) and in a
+plain single process (no launcher: world size 1, nothing initialised).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def on_cuda() -> bool:
+    """True when DeepSpeed's accelerator is CUDA (False on its CPU accelerator)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cuda"
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if acc.device_name() == "cuda":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def init(timeout_s: int = 600) -> torch.device:
+    """Initialise the process group (once) with a collective timeout and return this rank's device.
+
+    A single process started without a launcher gets a world of one (a local gloo/nccl group on a
+    free port) so that DeepSpeed engines can be built the same way everywhere.
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:  # plain `python step1_sft/main.py`: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if not is_initialized():
+        deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over ranks (a new tensor; ``t`` is untouched)."""
+    t = t.detach().clone()
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    return all_reduce_sum(t) / world_size()
+
+
+def mean_over_ranks(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    """Average a dict of python floats over ranks (one collective)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    t = all_reduce_mean(t)
+    return {k: float(v) for k, v in zip(keys, t.tolist())}
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    if not (is_initialized() and world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def print_rank0(*args: Any, **kwargs: Any) -> None:
+    if is_main():
+        print(*args, **kwargs, flush=True)

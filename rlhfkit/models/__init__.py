@@ -1,0 +1,17 @@
+"""Model loading, LoRA, and the embedded base model."""
+
+from rlhfkit.models.loading import (
+    check_weights_policy,
+    enable_gradient_checkpointing,
+    ensure_distinct_pad,
+    load_model,
+    load_tokenizer,
+    plain_init,
+    torch_dtype,
+)
+from rlhfkit.models.lora import apply_lora, is_peft, param_groups
+
+__all__ = [
+    "apply_lora", "check_weights_policy", "enable_gradient_checkpointing", "ensure_distinct_pad", "is_peft",
+    "load_model", "load_tokenizer", "param_groups", "plain_init", "torch_dtype",
+]

@@ -1,0 +1,259 @@
+"""Shared training machinery for the programs: the entry wrapper, DeepSpeed engines, data loaders,
+the supervised loop (steps 1, 2 and DPO) and the end-of-run summary.
+
+The programs keep only what is theirs (which models, which loss); everything here is the same for
+all of them, so it is written once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from rlhfkit import distributed as dist
+from rlhfkit.ds_config import BatchPlan, train_config
+from rlhfkit.errors import ConfigError, RlhfkitError
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a program's ``main``: user errors print one message (no traceback) and exit with status 2."""
+    try:
+        main()
+    except RlhfkitError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+def silence_libraries() -> None:
+    """Keep library chatter out of the programs' output (warnings stay visible on rank 0)."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - cosmetic
+        pass
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*deprecated.*")
+    if not dist.is_main():
+        warnings.filterwarnings("ignore")
+
+
+# ----------------------------------------------------------------------------------------------
+# data loading
+
+
+class ListDataset(Dataset):
+    def __init__(self, items: Sequence[Any]):
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.items[i]
+
+
+def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, seed: int) -> DataLoader:
+    """A shuffled loader sharded over ranks; every rank gets the same number of batches (ZeRO-3
+    needs all ranks in every forward pass), deterministic for a seed (call ``set_epoch``)."""
+    sampler = DistributedSampler(ListDataset(features), num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True,
+                                 seed=seed, drop_last=False)
+    return DataLoader(ListDataset(features), batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False)
+
+
+def eval_batches(features: Sequence[Any], collate: Callable, batch_size: int) -> Iterable[tuple[Any, torch.Tensor]]:
+    """This rank's evaluation batches with a 0/1 weight per row: the set is padded (with weight 0
+    copies) so that every rank runs the same number of batches and no row counts twice."""
+    n, world, r = len(features), dist.world_size(), dist.rank()
+    per_rank = math.ceil(n / world)
+    per_rank = math.ceil(per_rank / batch_size) * batch_size
+    idx = list(range(r * per_rank, (r + 1) * per_rank))
+    for start in range(0, len(idx), batch_size):
+        chunk = idx[start:start + batch_size]
+        rows = [features[i] if i < n else features[0] for i in chunk]
+        weights = torch.tensor([1.0 if i < n else 0.0 for i in chunk])
+        yield collate(rows), weights
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# engines
+
+
+def batch_plan(micro_batch: int, grad_accum: int) -> BatchPlan:
+    return BatchPlan(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size())
+
+
+def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dtype: str, offload: bool,
+                 learning_rate: float, weight_decay: float, betas: tuple[float, float], gradient_clipping: float,
+                 lr_scheduler_type: str, num_warmup_steps: int, total_steps: int,
+                 lora_learning_rate: Optional[float] = None, hybrid_engine: Optional[dict] = None):
+    """Wrap a model in a DeepSpeed training engine with AdamW and a warm-up schedule."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    from rlhfkit.models import param_groups
+
+    on_cuda = dist.on_cuda()
+    cfg = train_config(plan=plan, zero_stage=zero_stage, dtype=dtype, offload=offload, gradient_clipping=gradient_clipping,
+                       on_cuda=on_cuda, learning_rate=learning_rate, betas=betas, weight_decay=weight_decay,
+                       hybrid_engine=hybrid_engine)
+    groups = param_groups(model, weight_decay, learning_rate, lora_learning_rate)
+    if not groups:
+        raise ConfigError("no trainable parameters (check --only_optimize_lora / --lora_dim)")
+    optimizer = None if on_cuda else torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8)
+
+    def scheduler(opt):
+        return get_scheduler(lr_scheduler_type, optimizer=opt, num_warmup_steps=num_warmup_steps,
+                             num_training_steps=max(total_steps, 1))
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=groups if on_cuda else None,
+                                      lr_scheduler=scheduler, config=cfg)
+    return engine
+
+
+def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, offload: bool, micro_batch: int):
+    """A frozen model (reference, reward) as a DeepSpeed inference engine: ZeRO-3 shards it."""
+    import deepspeed
+
+    from rlhfkit.ds_config import eval_config
+
+    model.requires_grad_(False)
+    model.eval()
+    cfg = eval_config(micro_batch=micro_batch, world_size=dist.world_size(), zero_stage=zero_stage, dtype=dtype, offload=offload)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine.eval()
+    return engine
+
+
+def count_steps(n_batches_per_epoch: int, grad_accum: int, epochs: int, max_steps: Optional[int]) -> int:
+    """Optimiser steps of a run: ceil(batches / grad_accum) per epoch, capped by ``max_steps``."""
+    per_epoch = max(1, n_batches_per_epoch // grad_accum)
+    total = per_epoch * epochs
+    return min(total, max_steps) if max_steps else total
+
+
+# ----------------------------------------------------------------------------------------------
+# the supervised loop (steps 1, 2, DPO)
+
+
+@dataclass
+class LoopResult:
+    steps: int = 0
+    samples: int = 0  # training rows seen, all ranks
+    tokens: int = 0  # real (non-pad) training tokens, all ranks
+    seconds: float = 0.0
+    evals: list[dict] = field(default_factory=list)  # (step, metrics) of each evaluation
+    last_train: dict = field(default_factory=dict)
+
+
+def fit(
+    engine,
+    loader: DataLoader,
+    *,
+    compute_loss: Callable[[dict], tuple[torch.Tensor, dict]],
+    evaluate: Callable[[], dict],
+    total_steps: int,
+    epochs: int,
+    grad_accum: int,
+    eval_interval: int,
+    log_interval: int,
+    logger,
+    program: str,
+    progress_bar: bool = True,
+) -> LoopResult:
+    """Train ``engine`` over ``loader`` for ``total_steps`` optimiser steps (or the epochs).
+
+    ``compute_loss(batch) -> (loss, stats)`` runs the forward pass; stats are python floats averaged
+    over ranks and micro-batches for logging. ``evaluate() -> metrics`` runs before training, every
+    ``eval_interval`` steps and at the end.
+    """
+    from tqdm import tqdm
+
+    res = LoopResult()
+    dev = engine.device
+    ev = evaluate()
+    res.evals.append({"step": 0, **ev})
+    logger.log(0, {f"eval/{k}": v for k, v in ev.items()})
+    bar = tqdm(total=total_steps, desc=program, disable=not (progress_bar and dist.is_main()), dynamic_ncols=True,
+               file=sys.stdout)
+    t0 = time.time()
+    acc: dict[str, float] = {}
+    n_micro = 0
+    engine.train()
+    done = False
+    for epoch in range(epochs):
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = to_device(batch, dev)
+            loss, stats = compute_loss(batch)
+            engine.backward(loss)
+            engine.step()
+            n_micro += 1
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + float(v)
+            res.samples += int(batch["input_ids"].shape[0]) * dist.world_size()
+            res.tokens += int(dist.all_reduce_sum(batch["attention_mask"].sum().to(torch.float64)).item()) if "attention_mask" in batch else 0
+            if n_micro % grad_accum:
+                continue
+            res.steps += 1
+            bar.update(1)
+            if res.steps % log_interval == 0 or res.steps == total_steps:
+                means = dist.mean_over_ranks({k: v / n_micro for k, v in acc.items()}, dev)
+                elapsed = time.time() - t0
+                means.update(lr=engine.get_lr()[0], samples_per_s=res.samples / elapsed, tokens_per_s=res.tokens / elapsed,
+                             epoch=epoch)
+                res.last_train = means
+                logger.log(res.steps, {f"train/{k}": v for k, v in means.items()}, write=bar.write)
+                acc, n_micro = {}, 0
+            if eval_interval and res.steps % eval_interval == 0 and res.steps < total_steps:
+                ev = evaluate()
+                engine.train()
+                res.evals.append({"step": res.steps, **ev})
+                logger.log(res.steps, {f"eval/{k}": v for k, v in ev.items()}, write=bar.write)
+            if res.steps >= total_steps:
+                done = True
+                break
+        if done:
+            break
+    bar.close()
+    res.seconds = time.time() - t0
+    if not res.evals or res.evals[-1]["step"] != res.steps:
+        ev = evaluate()
+        res.evals.append({"step": res.steps, **ev})
+        logger.log(res.steps, {f"eval/{k}": v for k, v in ev.items()})
+    return res
+
+
+def print_summary(title: str, lines: dict[str, Any]) -> None:
+    """The end-of-run summary, rank 0 only."""
+    if not dist.is_main():
+        return
+    width = max(len(k) for k in lines) if lines else 0
+    print(f"\n==== {title} ====", flush=True)
+    for k, v in lines.items():
+        print(f"  {k.ljust(width)}  {v}", flush=True)

@@ -1,0 +1,138 @@
+"""Step 1: supervised fine-tuning (SFT) on prompt + chosen response, loss on response tokens only.
+
+    deepspeed --num_gpus 2 step1_sft/main.py --model_name_or_path BASE --data_path DATA \
+        --zero_stage 3 --output_dir out/step1
+
+Reads a base checkpoint (or any HF causal LM directory), writes an 'sft' checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+
+import torch  # noqa: E402
+
+from rlhfkit import distributed as dist  # noqa: E402
+from rlhfkit.algos import sft_loss  # noqa: E402
+from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
+from rlhfkit.config import (  # noqa: E402
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, check_common, config_dict, parse_config, require,
+)
+from rlhfkit.data import collate_sft, load_phase_data, tokenize_sft  # noqa: E402
+from rlhfkit.ds_config import init_config  # noqa: E402
+from rlhfkit.metrics import MetricsLogger  # noqa: E402
+from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer  # noqa: E402
+from rlhfkit.training import (  # noqa: E402
+    batch_plan, build_engine, count_steps, eval_batches, fit, print_summary, run_main, silence_libraries, to_device,
+    train_loader,
+)
+
+
+@dataclass
+class SFTConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs):
+    """Step 1 flags (DeepSpeed-Chat names where it has them)."""
+
+    def validate(self) -> None:
+        require(self, "model_name_or_path", "data_path", "output_dir")
+        check_common(self)
+
+
+def main() -> None:
+    cfg = parse_config(SFTConfig)
+    silence_libraries()
+    dist.init(cfg.dist_timeout_s)
+    dist.set_seed(cfg.seed)
+
+    # 1. Check the input model and the output directory before loading anything big.
+    check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "actor"), role="--model_name_or_path")
+    check_output_dir(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
+
+    # 2. Data: this step's share of each source, as prompt + response with labels on the response only.
+    train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=1, need="sft", data_split=cfg.data_split,
+                                                     seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
+                                                     max_eval=cfg.max_eval_samples)
+    train_set, train_report = tokenize_sft(train_rows, tokenizer, cfg.max_seq_len)
+    eval_set, _ = tokenize_sft(eval_rows, tokenizer, cfg.max_seq_len)
+    for s in sources:
+        dist.print_rank0(s.summary())
+    dist.print_rank0(f"train: {train_report.summary()}\neval: {len(eval_set)} examples")
+
+    def collate(rows):
+        return collate_sft(rows, tokenizer.pad_token_id)
+
+    # 3. Model and DeepSpeed engine.
+    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed)
+    total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
+    model = load_model(cfg.model_name_or_path, "causal_lm", dtype=cfg.dtype, dropout=cfg.dropout,
+                       zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
+                       trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
+                       pad_token_id=tokenizer.pad_token_id)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora)
+    engine = build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
+                          learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                          betas=(cfg.adam_beta1, cfg.adam_beta2), gradient_clipping=cfg.gradient_clipping,
+                          lr_scheduler_type=cfg.lr_scheduler_type, num_warmup_steps=cfg.num_warmup_steps,
+                          total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)
+    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "sft")
+    dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} "
+                     f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
+
+    # 4. The loss: token-mean NLL of the response tokens over the whole global micro-batch.
+    def compute_loss(batch):
+        n_global = dist.all_reduce_sum((batch["labels"][:, 1:] != -100).sum().to(torch.float64))
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        loss, _ = sft_loss(logits, batch["labels"], num_tokens=n_global.item() / dist.world_size())
+        return loss, {"loss": loss.item()}  # the mean over ranks is the global token mean
+
+    # 5. Evaluation: loss and perplexity on the held-out split.
+    @torch.no_grad()
+    def evaluate():
+        engine.eval()
+        nll = torch.zeros(2, dtype=torch.float64)
+        for batch, weights in eval_batches(eval_set, collate, cfg.per_device_eval_batch_size):
+            batch = to_device(batch, engine.device)
+            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+            labels = batch["labels"].clone()
+            labels[weights.to(labels.device) == 0] = -100
+            loss, n = sft_loss(logits, labels)
+            nll += torch.tensor([loss.item() * n.item(), n.item()], dtype=torch.float64)
+        total = dist.all_reduce_sum(nll)
+        mean = (total[0] / total[1].clamp(min=1)).item()
+        return {"loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+
+    # 6. Train, then export the checkpoint directory.
+    result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
+                 epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
+                 log_interval=cfg.log_interval, logger=logger, program="sft", progress_bar=cfg.progress_bar)
+    first, last = result.evals[0], result.evals[-1]
+    metrics = {"eval_perplexity_before": first["perplexity"], "eval_perplexity_after": last["perplexity"],
+               "eval_loss_after": last["loss"], "steps": result.steps, "train_samples": result.samples,
+               "train_tokens": result.tokens, "seconds": result.seconds}
+    manifest = build_manifest(stage="sft", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
+                              data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype)
+    export_model(engine.module, tokenizer, cfg.output_dir, manifest,
+                 generation={"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+                             "bos_token_id": tokenizer.bos_token_id})
+    logger.close()
+    print_summary("step 1 (SFT) done", {
+        "steps": result.steps,
+        "time": f"{result.seconds:.1f} s",
+        "throughput": f"{result.samples / max(result.seconds, 1e-9):.2f} samples/s, {result.tokens / max(result.seconds, 1e-9):.0f} tokens/s",
+        "eval perplexity": f"{first['perplexity']:.3f} before -> {last['perplexity']:.3f} after",
+        "checkpoint": os.path.abspath(cfg.output_dir),
+        "metrics": os.path.join(os.path.abspath(cfg.output_dir), "logs", "metrics.jsonl"),
+        "next": f"deepspeed step2_reward/main.py --model_name_or_path {os.path.abspath(cfg.output_dir)} --data_path {' '.join(cfg.data_path)} --output_dir OUT",
+    })
+
+
+if __name__ == "__main__":
+    run_main(main)
