@@ -278,9 +278,9 @@ def plain_model_from_state(module: torch.nn.Module, state: dict[str, torch.Tenso
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"export: unexpected keys {unexpected[:5]}")
+    (fresh.get_base_model() if is_peft(fresh) else fresh).tie_weights()  # re-point tied heads at the loaded tensors
     if is_peft(fresh):
         fresh = fresh.merge_and_unload()
-    fresh.tie_weights()
     still_meta = [n for n, p in fresh.named_parameters() if p.is_meta]
     if still_meta:
         raise RuntimeError(f"export: parameters without values {still_meta[:5]} (missing {missing[:5]})")
@@ -295,12 +295,16 @@ def estimate_bytes(module: torch.nn.Module) -> int:
     return int(n * 1.1) + (50 << 20)
 
 
-def export_model(module: torch.nn.Module, tokenizer: Any, out_dir: str | os.PathLike, manifest: dict,
+def export_model(model: Any, tokenizer: Any, out_dir: str | os.PathLike, manifest: dict,
                  generation: Optional[dict] = None) -> None:
-    """Write ``module`` (a HF model, a peft model, or either under ZeRO-3) as a checkpoint directory.
+    """Write ``model`` (a DeepSpeed engine, a HF model or a peft model, ZeRO-3 partitioned or not) as
+    a checkpoint directory.
 
     Collective: every rank must call it. Rank 0 writes atomically; the others wait at a barrier.
     """
+    if hasattr(model, "empty_partition_cache"):  # a ZeRO-3 engine: release params an eval pass left in flight
+        model.empty_partition_cache()
+    module = getattr(model, "module", model)
     if dist.is_main():
         check_free_space(Path(out_dir).parent if not Path(out_dir).exists() else out_dir, estimate_bytes(module))
     state = gather_state_dict(module)

@@ -226,7 +226,7 @@ def fit(
                 means = dist.mean_over_ranks({k: v / n_micro for k, v in acc.items()}, dev)
                 elapsed = time.time() - t0
                 means.update(lr=engine.get_lr()[0], samples_per_s=res.samples / elapsed, tokens_per_s=res.tokens / elapsed,
-                             epoch=epoch)
+                             samples=res.samples, tokens=res.tokens, epoch=epoch)
                 res.last_train = means
                 logger.log(res.steps, {f"train/{k}": v for k, v in means.items()}, write=bar.write)
                 acc, n_micro = {}, 0

@@ -119,7 +119,7 @@ def main() -> None:
                "train_tokens": result.tokens, "seconds": result.seconds}
     manifest = build_manifest(stage="sft", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
                               data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype)
-    export_model(engine.module, tokenizer, cfg.output_dir, manifest,
+    export_model(engine, tokenizer, cfg.output_dir, manifest,
                  generation={"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
                              "bos_token_id": tokenizer.bos_token_id})
     logger.close()

@@ -1,0 +1,113 @@
+"""SFT training throughput: 1 rank ZeRO-0 vs 2 ranks ZeRO-3 at the same global batch, side by side
+in one run, each also as a fraction of this machine's matmul peak measured in the same run.
+
+    python bench/train_throughput.py --model BASE_DIR [--steps 6] [--out bench_train.json]
+
+Runs step1_sft/main.py for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads its metrics
+log; the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
+writes JSON. Figures, not assertions: this machine is noisy, compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HH = REPO / ".." / "shared" / "data" / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"
+
+
+def matmul_peak(dtype_name: str, threads: int, n: int = 1024, seconds: float = 3.0) -> float:
+    """GFLOP/s of a square matmul on ``threads`` threads (in a subprocess, so the thread count is exact)."""
+    code = f"""
+import time, torch
+torch.set_num_threads({threads})
+a = torch.randn({n}, {n}, dtype=torch.{dtype_name}); b = torch.randn({n}, {n}, dtype=torch.{dtype_name})
+for _ in range(3): a @ b
+t = time.time(); k = 0
+while time.time() - t < {seconds}:
+    a @ b; k += 1
+print(2 * {n}**3 * k / (time.time() - t) / 1e9)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sft(model: str, ranks: int, zero: int, micro: int, steps: int, seq: int, data: str, workdir: str) -> dict:
+    out = os.path.join(workdir, f"sft-r{ranks}-z{zero}")
+    threads = max(1, (os.cpu_count() or 2) // ranks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
+           str(REPO / "step1_sft/main.py"), "--model_name_or_path", model, "--data_path", data, "--output_dir", out,
+           "--zero_stage", str(zero), "--dtype", "bf16", "--max_seq_len", str(seq), "--per_device_train_batch_size", str(micro),
+           "--max_steps", str(steps), "--max_eval_samples", "2", "--progress_bar", "false", "--lr_scheduler_type", "constant"]
+    t = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in open(os.path.join(out, "logs", "metrics.jsonl")) if "train/samples" in x]
+    first, last = rows[0], rows[-1]
+    dt = last["time_s"] - first["time_s"]
+    samples = last["train/samples"] - first["train/samples"]
+    tokens = last["train/tokens"] - first["train/tokens"]
+    return {"ranks": ranks, "zero_stage": zero, "micro_batch": micro, "global_batch": micro * ranks,
+            "steps_timed": len(rows) - 1, "seconds_per_step": dt / max(len(rows) - 1, 1),
+            "samples_per_s": samples / dt, "tokens_per_s": tokens / dt, "wall_s": time.time() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="base or SFT checkpoint directory (SmolLM2-135M: rlhfkit prepare-base)")
+    ap.add_argument("--data", default=str(HH))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--global_batch", type=int, default=8)
+    ap.add_argument("--out", default="bench_train_throughput.json")
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)).parameters())
+    flop_per_token = 6 * n_params  # forward + backward, dense part (the tied LM head counted once)
+    threads = os.cpu_count() or 2
+    peaks = {"bf16": matmul_peak("bfloat16", threads), "fp32": matmul_peak("float32", threads)}
+    with tempfile.TemporaryDirectory() as work:
+        runs = [run_sft(args.model, 1, 0, args.global_batch, args.steps, args.seq, args.data, work),
+                run_sft(args.model, 2, 3, args.global_batch // 2, args.steps, args.seq, args.data, work)]
+    for r in runs:
+        achieved = r["tokens_per_s"] * flop_per_token / 1e9
+        r["model_gflops"] = achieved
+        r["fraction_of_bf16_peak"] = achieved / peaks["bf16"]
+        r["fraction_of_fp32_peak"] = achieved / peaks["fp32"]
+    print(f"\nmatmul peak on {threads} threads: bf16 {peaks['bf16']:.0f} GFLOP/s, fp32 {peaks['fp32']:.0f} GFLOP/s; "
+          f"model {n_params / 1e6:.0f}M params, {flop_per_token / 1e9:.2f} GFLOP per trained token")
+    print(f"{'setup':<22}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}{'of fp32':>9}")
+    for r in runs:
+        name = f"{r['ranks']} rank ZeRO-{r['zero_stage']} ({r['micro_batch']}x{r['ranks']})"
+        print(f"{name:<22}{r['seconds_per_step']:>8.2f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
+              f"{r['model_gflops']:>9.0f}{r['fraction_of_bf16_peak']:>9.1%}{r['fraction_of_fp32_peak']:>9.1%}")
+    ratio = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
+    print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {ratio:.2f}")
+    print("reference: DeepSpeed-Chat step 1, 2 ranks ZeRO-3 bf16, batch 4/rank, seq 256: ~0.80 samples/s (target >= 1.20)")
+    with open(args.out, "w") as f:
+        json.dump({"peaks_gflops": peaks, "params": n_params, "runs": runs, "zero3_over_zero0": ratio}, f, indent=2)
+    print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    main()

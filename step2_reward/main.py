@@ -1,0 +1,141 @@
+"""Step 2: a pairwise reward model, loss softplus(r_rejected - r_chosen).
+
+    deepspeed --num_gpus 2 step2_reward/main.py --model_name_or_path out/step1 --data_path DATA \
+        --zero_stage 3 --output_dir out/step2
+
+Reads a step-1 (or base) checkpoint, writes a 'reward' checkpoint directory: a one-label
+AutoModelForSequenceClassification whose score is read at the last real token of a sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+
+import torch  # noqa: E402
+
+from rlhfkit import distributed as dist  # noqa: E402
+from rlhfkit.algos import pairwise_loss  # noqa: E402
+from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
+from rlhfkit.config import (  # noqa: E402
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, parse_config, require,
+)
+from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs  # noqa: E402
+from rlhfkit.ds_config import init_config  # noqa: E402
+from rlhfkit.metrics import MetricsLogger  # noqa: E402
+from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
+from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
+from rlhfkit.training import (  # noqa: E402
+    batch_plan, build_engine, count_steps, eval_batches, fit, print_summary, run_main, silence_libraries, train_loader,
+)
+
+
+@dataclass
+class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs):
+    """Step 2 flags: those of step 1 (DeepSpeed-Chat names). No --num_padding_at_beginning: the
+    score is read at the last real token, whatever the padding."""
+
+    learning_rate: float = arg(5e-6, "Peak learning rate.")
+    per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
+
+    def validate(self) -> None:
+        require(self, "model_name_or_path", "data_path", "output_dir")
+        check_common(self)
+
+
+def main() -> None:
+    cfg = parse_config(RewardConfig)
+    silence_libraries()
+    dist.init(cfg.dist_timeout_s)
+    dist.set_seed(cfg.seed)
+
+    # 1. Check the input model and the output directory before loading anything big.
+    check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "reward"), role="--model_name_or_path")
+    check_output_dir(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
+
+    # 2. Data: this step's share of each source as (chosen, rejected) pairs that still differ after truncation.
+    train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=2, need="pairs", data_split=cfg.data_split,
+                                                     seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
+                                                     max_eval=cfg.max_eval_samples)
+    train_set, train_report = tokenize_pairs(train_rows, tokenizer, cfg.max_seq_len)
+    eval_set, eval_report = tokenize_pairs(eval_rows, tokenizer, cfg.max_seq_len)
+    for s in sources:
+        dist.print_rank0(s.summary())
+    dist.print_rank0(f"train: {train_report.summary()}\neval: {eval_report.summary()}")
+
+    def collate(rows):
+        return collate_pairs(rows, tokenizer.pad_token_id)
+
+    # 3. The reward model (a one-label sequence classifier; fresh score head) and its engine.
+    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed)
+    total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
+    model = load_model(cfg.model_name_or_path, "reward", dtype=cfg.dtype, dropout=cfg.dropout,
+                       zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
+                       trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
+                       pad_token_id=tokenizer.pad_token_id)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora, task_type="SEQ_CLS")
+    engine = build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
+                          learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                          betas=(cfg.adam_beta1, cfg.adam_beta2), gradient_clipping=cfg.gradient_clipping,
+                          lr_scheduler_type=cfg.lr_scheduler_type, num_warmup_steps=cfg.num_warmup_steps,
+                          total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)
+    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
+    dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
+                     f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
+
+    # 4. The loss: chosen and rejected of a pair go through the model in the same forward batch.
+    def compute_loss(batch):
+        scores = sequence_scores(engine, batch["input_ids"], batch["attention_mask"])
+        b = scores.shape[0] // 2
+        loss, accuracy = pairwise_loss(scores[:b], scores[b:])
+        return loss, {"loss": loss.item(), "accuracy": float(accuracy), "margin": (scores[:b] - scores[b:]).mean().item()}
+
+    # 5. Evaluation on the held-out pairs: accuracy, mean chosen / rejected score, mean margin.
+    def evaluate():
+        engine.eval()
+        chosen, rejected = score_pairs(lambda ids, mask: sequence_scores(engine, ids, mask),
+                                       eval_batches(eval_set, collate, cfg.per_device_eval_batch_size), engine.device)
+        sums = torch.tensor([float((chosen > rejected).sum()), float(chosen.sum()), float(rejected.sum()), chosen.numel()],
+                            dtype=torch.float64)
+        total = dist.all_reduce_sum(sums)
+        n = max(total[3].item(), 1.0)
+        return {"accuracy": total[0].item() / n, "chosen_score": total[1].item() / n, "rejected_score": total[2].item() / n,
+                "margin": (total[1].item() - total[2].item()) / n, "pairs": int(total[3].item())}
+
+    # 6. Train, then export the checkpoint directory.
+    result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
+                 epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
+                 log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar)
+    first, last = result.evals[0], result.evals[-1]
+    metrics = {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
+               "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
+               "steps": result.steps, "train_pairs": result.samples // 2, "seconds": result.seconds,
+               "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
+    manifest = build_manifest(stage="reward", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
+                              data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype,
+                              extra={"score_rule": "last real token (rightmost attention_mask == 1)"})
+    export_model(engine, tokenizer, cfg.output_dir, manifest)
+    logger.close()
+    out = os.path.abspath(cfg.output_dir)
+    print_summary("step 2 (reward model) done", {
+        "steps": result.steps,
+        "time": f"{result.seconds:.1f} s ({metrics['pairs_per_s']:.2f} pairs/s)",
+        "held-out accuracy": f"{first['accuracy']:.3f} before -> {last['accuracy']:.3f} after ({last['pairs']} pairs)",
+        "held-out margin": f"{first['margin']:.3f} before -> {last['margin']:.3f} after",
+        "checkpoint": out,
+        "metrics": os.path.join(out, "logs", "metrics.jsonl"),
+        "evaluate": f"python step2_reward/evaluate.py --model {out} --split heldout",
+        "next": f"deepspeed step3_ppo/main.py --actor_model_name_or_path {os.path.abspath(cfg.model_name_or_path)} "
+                f"--critic_model_name_or_path {out} --data_path {' '.join(cfg.data_path)} --output_dir OUT",
+    })
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,110 @@
+"""Step 2: the score index rule, the reward program on 2 ranks ZeRO-3, export parity, evaluate.py."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhfkit.models import load_model, sequence_scores, token_values
+from testutils import run_program
+
+
+@pytest.fixture(scope="module")
+def rm(tiny_dir, tokenizer):
+    torch.manual_seed(0)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id).eval()
+    model.score.weight.data.normal_(0, 1.0)
+    return model
+
+
+def unpadded_score(model, ids):
+    """The score of one sequence with no padding at all: the head's output at its last token."""
+    with torch.no_grad():
+        return token_values(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0, -1]
+
+
+def test_score_read_at_last_real_token_any_padding(rm, tokenizer):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    seqs = [[5, 6, 7, eos],          # response ended with EOS: the score is read at the EOS
+            [5, 6, 7, 8, 9, 10],     # cut at max_seq_len (no EOS): the last token before padding
+            [11, 12, eos]]
+    T = max(map(len, seqs))
+    right = torch.tensor([s + [pad] * (T - len(s)) for s in seqs])
+    left = torch.tensor([[pad] * (T - len(s)) + s for s in seqs])
+    rmask = (torch.arange(T)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()
+    lmask = rmask.flip(-1)
+    expected = torch.stack([unpadded_score(rm, s) for s in seqs])
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_scores(rm, right, rmask), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sequence_scores(rm, left, lmask), expected, rtol=1e-5, atol=1e-5)
+        # plain transformers pools at the same token (rightmost non-pad) for right padding
+        torch.testing.assert_close(rm(input_ids=right, attention_mask=rmask).logits[:, 0], expected, rtol=1e-5, atol=1e-5)
+    # the score is NOT the one a position later (DeepSpeed-Chat's off-by-one) or at the pad
+    values = token_values(rm, right, rmask).detach()
+    assert not torch.allclose(values[0, 4], expected[0])
+
+
+PAIRS = [{"prompt": f"Question {i}: is this good?", "chosen": f"Yes, wonderful and helpful answer {i}.",
+          "rejected": f"No. Terrible rude reply {i}!"} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def pair_data(tmp_path_factory):
+    p = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in PAIRS * 3))
+    return p
+
+
+@pytest.mark.distributed
+def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, tmp_path):
+    out = tmp_path / "rm"
+    args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), "--output_dir", str(out),
+            "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
+            "--zero_stage", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "2", "--num_train_epochs", "4",
+            "--lr_scheduler_type", "constant", "--progress_bar", "false"]
+    proc = run_program("step2_reward/main.py", args, nprocs=2)
+    rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    train_acc = [r["train/accuracy"] for r in rows if "train/accuracy" in r]
+    assert sum(train_acc[-3:]) / 3 > 0.75, train_acc  # well above chance on the training pairs
+    final = [r for r in rows if "eval/accuracy" in r][-1]
+    manifest = json.loads((out / "rlhfkit.json").read_text())
+    assert manifest["stage"] == "reward" and manifest["metrics"]["eval_accuracy_after"] == final["eval/accuracy"]
+    assert "held-out accuracy" in proc.stdout
+
+    # the export loads with plain transformers and scores like rlhfkit (fp32, 1e-5)
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    plain = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    enc = tok(["Hello there, a longer sequence of words", "Short"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        theirs = plain(**enc).logits[:, 0]
+        ours = sequence_scores(load_model(str(out), "reward", dtype="fp32", pad_token_id=tok.pad_token_id).eval(),
+                               enc["input_ids"], enc["attention_mask"])
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+    # evaluate.py re-creates the held-out pairs and prints the training run's final accuracy
+    ev = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(out)], capture_output=True, text=True,
+                        cwd=str(__import__("testutils").REPO))
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    acc = float(re.search(r"accuracy (\S+)", ev.stdout).group(1))
+    assert acc == pytest.approx(final["eval/accuracy"], abs=1e-9) and f"pairs {final['eval/pairs']} " in ev.stdout
+    # single responses
+    ev = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(out), "--prompt", "Question 1: is this good?",
+                         "--response", "Yes, wonderful and helpful answer 1."], capture_output=True, text=True,
+                        cwd=str(__import__("testutils").REPO))
+    assert ev.returncode == 0 and re.match(r"-?\d+\.\d{4}\t", ev.stdout), ev.stdout + ev.stderr[-2000:]
+
+
+def test_reward_refuses_a_reward_dir_for_scoring_wrong_stage(tiny_dir, tmp_path):
+    d = tmp_path / "sftdir"
+    import shutil
+
+    shutil.copytree(tiny_dir, d)
+    (d / "rlhfkit.json").write_text(json.dumps({"stage": "sft", "files": {}}))
+    proc = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(d), "--prompt", "a", "--response", "b"],
+                          capture_output=True, text=True, cwd=str(__import__("testutils").REPO))
+    assert proc.returncode == 2 and "is a 'sft' checkpoint, but --model expects 'reward' or 'critic'" in proc.stderr
