@@ -1,0 +1,132 @@
+"""`rlhfkit report`: plots for every series that exists, a headline table with the right numbers, clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from rlhfkit.cli import main
+from rlhfkit.errors import RlhfkitError
+from rlhfkit.report import write_report
+
+STEPS = 6
+
+
+def write_log(out_dir: Path, records: list[dict]) -> None:
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "logs" / "metrics.jsonl", "a", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def rec(program: str, step: int, **values) -> dict:
+    return {"program": program, "step": step, "time_s": 10.0 * step, **{k.replace("__", "/"): v for k, v in values.items()}}
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """A pipeline run: step1 (SFT), step2 (reward), dpo, step3 (PPO), a few steps of each program's keys."""
+    run = tmp_path / "run"
+    sft = []
+    for s in range(1, STEPS + 1):
+        sft.append(rec("sft", s, train__loss=3.0 - 0.25 * s, train__lr=1e-5))  # 2.75 -> 1.5
+        if s % 2 == 0:  # eval records are logged separately at the same step
+            sft.append(rec("sft", s, eval__loss=2.0 - 0.1 * s, eval__perplexity=20.0 - 2.0 * s))  # 16 -> 8
+    write_log(run / "step1", sft)
+    write_log(run / "step2", [rec("reward", s, train__loss=0.75 - 0.05 * s, eval__accuracy=0.5 + 0.05 * s,
+                                  eval__margin=0.125 * s) for s in range(1, STEPS + 1)])  # acc 0.55 -> 0.8, margin 0.125 -> 0.75
+    write_log(run / "dpo", [rec("dpo", s, train__loss=0.625 - 0.0625 * s, eval__accuracy=0.5 + 0.0625 * s,
+                                eval__margin=0.25 * s) for s in range(1, STEPS + 1)])
+    write_log(run / "step3", [rec("ppo", s, reward__score_mean=-1.0 + 0.5 * s, kl__per_token=0.01 * s, kl__per_seq=0.3 * s,
+                                  policy__loss=-0.1 * s, policy__clip_frac=0.05 * s, value__loss=1.0 / s,
+                                  policy__entropy=2.0 - 0.125 * s, gen__response_len=40.0 + 4 * s, gen__truncated_rate=0.1,
+                                  time__generation_s=6.0, time__experience_s=1.5, time__training_s=3.0)
+                              for s in range(1, STEPS + 1)])
+    return run
+
+
+EXPECTED_PNGS = [
+    "step1_loss.png", "step1_perplexity.png",
+    "step2_loss.png", "step2_accuracy.png", "step2_margin.png",
+    "dpo_loss.png", "dpo_accuracy.png", "dpo_margin.png",
+    "step3_reward.png", "step3_kl.png", "step3_policy_loss.png", "step3_clip_frac.png", "step3_value_loss.png",
+    "step3_entropy.png", "step3_response_len.png", "step3_time.png",
+]
+
+
+def headline_rows(md: str) -> dict[str, str]:
+    table = md.split("\n\n")[1]
+    return {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+
+
+def test_report_writes_every_plot_and_the_headline_table(run_dir, tmp_path, capsys):
+    out = tmp_path / "rep"
+    main(["report", str(run_dir), "--out", str(out)])
+    assert "report written to" in capsys.readouterr().out
+
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == sorted(EXPECTED_PNGS)
+    for name in EXPECTED_PNGS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+        with Image.open(out / name) as im:
+            im.verify()
+            assert im.size[0] > 300 and im.size[1] > 200
+
+    md = (out / "report.md").read_text()
+    rows = headline_rows(md)
+    assert list(rows) == ["step1", "step2", "dpo", "step3"]  # pipeline order
+    assert re.search(r"\| step1 \| sft \| 6 \| 9 \| 1m 00s \|", rows["step1"])
+    assert "train/loss 2.75 → 1.5" in rows["step1"] and "eval/perplexity 16 → 8" in rows["step1"]
+    assert "eval/loss 1.8 → 1.4" in rows["step1"]
+    assert "| step2 | reward | 6 |" in rows["step2"]
+    assert "train/loss 0.7 → 0.45" in rows["step2"] and "eval/accuracy 0.55 → 0.8" in rows["step2"]
+    assert "eval/margin 0.125 → 0.75" in rows["step2"]
+    assert "eval/accuracy 0.5625 → 0.875" in rows["dpo"] and "eval/margin 0.25 → 1.5" in rows["dpo"]
+    assert "reward/score_mean -0.5 → 2" in rows["step3"] and "kl/per_token 0.01 → 0.06" in rows["step3"]
+    for name in EXPECTED_PNGS:
+        assert f"]({name})" in md  # every plot embedded
+    assert "| value/loss | 6 | 1 | 0.1667 | 0.1667 | 1 |" in md  # per-stage detail table
+
+
+def test_only_existing_series_are_plotted_and_default_out(tmp_path):
+    run = tmp_path / "sft_only"
+    write_log(run, [rec("sft", s, train__loss=1.0 / s) for s in range(1, 4)])  # the program's own output dir
+    report = write_report(run, echo=False)
+    assert report == run / "report" / "report.md"
+    assert sorted(p.name for p in report.parent.glob("*.png")) == ["sft_loss.png"]
+    assert "| . | sft | 3 |" in report.read_text()
+    write_report(run, echo=False)  # a second report does not read its own output
+
+
+def test_resumed_and_cut_short_logs(tmp_path):
+    run = tmp_path / "run"
+    write_log(run / "step1", [rec("sft", s, train__loss=float(10 - s)) for s in range(1, 5)])
+    write_log(run / "step1", [rec("sft", s, train__loss=float(20 - s)) for s in range(3, 6)])  # resumed at step 3
+    with open(run / "step1" / "logs" / "metrics.jsonl", "a") as f:
+        f.write('{"program": "sft", "step": 6, "train/lo')  # killed mid-write
+    md = write_report(run, echo=False).read_text()
+    assert "train/loss 9 → 15" in headline_rows(md)["step1"]
+    assert "1 unreadable line(s) skipped (line 8)" in md
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty_dir", "empty_file"])
+def test_nothing_to_report_is_a_clear_error(tmp_path, capsys, layout):
+    run = tmp_path / "run"
+    if layout != "missing":
+        run.mkdir()
+    if layout == "empty_file":
+        (run / "step1" / "logs").mkdir(parents=True)
+        (run / "step1" / "logs" / "metrics.jsonl").write_text("")
+    with pytest.raises(RlhfkitError):
+        write_report(run, tmp_path / "out", echo=False)
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(run)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: report:") and str(run) in err and "Traceback" not in err
+    assert {"missing": "does not exist", "empty_dir": "no logs/metrics.jsonl", "empty_file": "hold no metrics"}[layout] in err
