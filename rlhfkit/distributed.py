@@ -124,3 +124,15 @@ def set_seed(seed: int) -> None:
 def print_rank0(*args: Any, **kwargs: Any) -> None:
     if is_main():
         print(*args, **kwargs, flush=True)
+
+
+def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of ``t`` over ranks (a new tensor)."""
+    t = t.detach().clone()
+    if is_initialized() and world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
+def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
+    return -all_reduce_max(-t)

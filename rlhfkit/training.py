@@ -7,6 +7,7 @@ all of them, so it is written once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -257,3 +258,42 @@ def print_summary(title: str, lines: dict[str, Any]) -> None:
     print(f"\n==== {title} ====", flush=True)
     for k, v in lines.items():
         print(f"  {k.ljust(width)}  {v}", flush=True)
+
+
+class ParamEMA:
+    """Exponential moving average of a model's weights, kept per rank on what the rank owns (the
+    ZeRO-3 partition, or the full tensor under ZeRO 0-2), in fp32; ``swapped()`` puts the average
+    into the model for an export and restores the trained weights afterwards."""
+
+    def __init__(self, module: torch.nn.Module, beta: float):
+        self.beta = beta
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.shadow = [self._local(p).detach().float().clone() for p in self.params]
+
+    @staticmethod
+    def _local(p: torch.nn.Parameter) -> torch.Tensor:
+        return p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+
+    @torch.no_grad()
+    def update(self) -> None:
+        from rlhfkit.algos import ema_update_
+
+        ema_update_(self.shadow, [self._local(p).float() for p in self.params], self.beta)
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "shadow": [s.clone() for s in self.shadow]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, v in zip(self.shadow, state["shadow"]):
+            s.copy_(v)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        backup = [self._local(p).detach().clone() for p in self.params]
+        try:
+            for p, s in zip(self.params, self.shadow):
+                self._local(p).copy_(s.to(self._local(p).dtype))
+            yield
+        finally:
+            for p, b in zip(self.params, backup):
+                self._local(p).copy_(b)

@@ -1,0 +1,182 @@
+"""Step 3 flags: one typed config (DeepSpeed-Chat names where it has them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rlhfkit.config import arg, require
+from rlhfkit.errors import ConfigError
+from rlhfkit.rl import ALGOS
+from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS
+
+
+@dataclass
+class Step3Models:
+    actor_model_name_or_path: Optional[str] = arg(None, "Step-1 (SFT) checkpoint: the actor, and the frozen reference.")
+    critic_model_name_or_path: Optional[str] = arg(None, "Step-2 reward model: initialises the critic (PPO); also the reward model unless --reward_model_name_or_path.")
+    reward_model_name_or_path: Optional[str] = arg(None, "Frozen reward model (default: --critic_model_name_or_path).")
+    reward_fn: Optional[str] = arg(None, "Rule-based reward: gsm8k, or module.path:function(prompts, responses, rows) -> scores.")
+    reward_fn_weight: float = arg(1.0, "Weight of --reward_fn in the summed reward.")
+    reward_model_weight: float = arg(1.0, "Weight of the reward model in the summed reward.")
+    format_bonus: float = arg(0.0, "gsm8k: extra reward when the answer is stated as '#### n' or \\boxed{n}.")
+    trust_remote_code: bool = arg(False, "Allow model code shipped inside model directories to run.")
+    allow_pickle_weights: bool = arg(False, "Allow loading pickled weights (.bin/.pt).")
+    actor_gradient_checkpointing: bool = arg(False, "Gradient checkpointing for the actor.")
+    critic_gradient_checkpointing: bool = arg(False, "Gradient checkpointing for the critic.")
+    actor_dropout: Optional[float] = arg(0.0, "Actor dropout (0 keeps log-probs of old and new policy comparable).")
+    critic_dropout: Optional[float] = arg(0.0, "Critic dropout.")
+
+
+@dataclass
+class Step3Data:
+    data_path: list[str] = arg([], "Prompt data: one or more files (blended); any supported format, prompts are used.")
+    data_split: str = arg("2,4,4", "Shares of each source for steps 1,2,3; step 3 uses the third (e.g. 0,0,1 for prompt-only data).")
+    eval_fraction: float = arg(0.05, "Fraction of the step-3 share held out to compare the actor with the step-1 model.")
+    max_eval_samples: Optional[int] = arg(16, "Cap on held-out prompts evaluated (None: all).")
+    max_prompt_seq_len: int = arg(256, "Prompts longer than this are left-truncated at a turn boundary, or dropped (counted).")
+    max_answer_seq_len: int = arg(256, "Maximum response tokens; a response without EOS by then is 'truncated'.")
+    strict: bool = arg(False, "Fail on the first malformed data row instead of skipping it.")
+    unsupervised_dataset_name: Optional[str] = arg(None, "PTX: a dataset (any supported data path) whose SFT loss is mixed into the actor loss.")
+    unsup_coef: float = arg(27.8, "PTX loss coefficient (InstructGPT's gamma).")
+
+
+@dataclass
+class Step3Generation:
+    rollout_backend: str = arg(DEFAULT_ROLLOUT_BACKEND, f"Rollout engine: {', '.join(ROLLOUT_BACKENDS)}.")
+    temperature: float = arg(1.0, "Sampling temperature of rollouts (logprobs are taken at the same temperature).")
+    top_p: float = arg(1.0, "Nucleus sampling for rollouts (1.0 = off).")
+    top_k: int = arg(0, "Top-k sampling for rollouts (0 = off).")
+    min_new_tokens: int = arg(0, "EOS suppressed for this many tokens (0: EOS allowed at any step).")
+    greedy_rollouts: bool = arg(False, "Greedy decoding for rollouts (tests only; RL needs sampling).")
+    keep_inference_copy: bool = arg(False, "hf backend: keep the gathered inference copy between rollouts (faster, more memory).")
+    enable_hybrid_engine: bool = arg(False, "DeepSpeed Hybrid Engine for generation (CUDA only; implies --rollout_backend deepspeed).")
+    inference_tp_size: int = arg(1, "Hybrid Engine: inference tensor-parallel size.")
+    release_inference_cache: bool = arg(False, "Hybrid Engine: release the inference cache after generation.")
+    unpin_actor_parameters: bool = arg(False, "Hybrid Engine: unpin actor parameters between generations.")
+    tp_gather_partition_size: int = arg(8, "Hybrid Engine: partition size of the tensor-parallel gather.")
+    print_answers: bool = arg(False, "Print a prompt/response/reward sample every --print_answers_interval steps.")
+    print_answers_interval: int = arg(1, "See --print_answers.")
+
+
+@dataclass
+class Step3Algo:
+    algo: str = arg("ppo", f"Algorithm: {', '.join(ALGOS)} (PPO-penalty = ppo with --target_kl).")
+    n_samples_per_prompt: int = arg(1, "Samples per prompt (G); group algorithms need >= 2.")
+    kl_ctl: float = arg(0.1, "KL coefficient beta: in the reward (ppo, rloo, reinforce_pp) or in the loss (grpo).", aliases=["--init_kl_coef"])
+    kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3 (k3 is the usual choice in the GRPO loss).")
+    target_kl: Optional[float] = arg(None, "Adaptive KL controller target (PPO-penalty); None = fixed coefficient.")
+    kl_horizon: int = arg(10000, "Adaptive KL controller horizon.")
+    clip_reward_value: Optional[float] = arg(5.0, "Clip sequence scores to [-c, c] (None: no clipping).")
+    truncated_reward: Optional[float] = arg(None, "Replace the score of a truncated response (no EOS) with this value.")
+    gamma: float = arg(1.0, "Discount factor.")
+    lam: float = arg(0.95, "GAE lambda.")
+    cliprange: float = arg(0.2, "PPO policy clip range (both sides unless --clip_eps_low/high).")
+    clip_eps_low: Optional[float] = arg(None, "Lower clip epsilon (DAPO: 0.2).")
+    clip_eps_high: Optional[float] = arg(None, "Upper clip epsilon (DAPO clip-higher: 0.28).")
+    cliprange_value: float = arg(0.2, "Value clip range.")
+    whiten_advantages: bool = arg(False, "Whiten advantages over the whole global batch.")
+    loss_agg: str = arg("token_mean", "Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum.")
+    ppo_epochs: int = arg(1, "Passes over each batch of experience.")
+    dynamic_sampling: bool = arg(False, "DAPO: drop groups whose rewards are all equal; sample more prompts until the batch is full.")
+    max_sampling_rounds: int = arg(4, "DAPO dynamic sampling: most generation rounds per step.")
+    overlong_buffer_len: int = arg(0, "DAPO overlong shaping L_cache (0 = off): penalty from max_answer_seq_len - L_cache on.")
+    overlong_penalty_factor: float = arg(1.0, "DAPO overlong shaping: penalty at max_answer_seq_len.")
+    mask_truncated: bool = arg(False, "Leave truncated responses out of the policy loss (DAPO overlong filtering).")
+    enable_ema: bool = arg(False, "Keep an exponential moving average of the actor (written as actor_ema/).")
+    ema_beta: float = arg(0.992, "EMA decay.")
+
+
+@dataclass
+class Step3Train:
+    per_device_generation_batch_size: int = arg(4, "Prompts per rank per generation batch.")
+    per_device_training_batch_size: int = arg(4, "Samples per rank per PPO mini-batch (one optimiser step each).")
+    generation_batches: int = arg(1, "Generation batches collected before training.")
+    num_train_epochs: int = arg(1, "Passes over the prompts.")
+    max_steps: Optional[int] = arg(None, "Stop after this many PPO steps (rollout + training); None = the epochs.")
+    actor_learning_rate: float = arg(1e-6, "Actor peak learning rate.")
+    critic_learning_rate: float = arg(5e-6, "Critic peak learning rate.")
+    actor_weight_decay: float = arg(0.0, "Actor weight decay.")
+    critic_weight_decay: float = arg(0.0, "Critic weight decay.")
+    adam_beta1: float = arg(0.9, "AdamW beta1.")
+    adam_beta2: float = arg(0.95, "AdamW beta2.")
+    lr_scheduler_type: str = arg("constant_with_warmup", "Learning-rate schedule of actor and critic.")
+    num_warmup_steps: int = arg(0, "Warm-up optimiser steps.")
+    gradient_clipping: float = arg(1.0, "Gradient norm clipping (0 disables).")
+    actor_zero_stage: int = arg(0, "ZeRO stage of the actor (and the reference).")
+    critic_zero_stage: int = arg(0, "ZeRO stage of the critic (and the reward model).")
+    offload: bool = arg(False, "Offload actor/critic optimizer state (and params under ZeRO-3) to CPU.")
+    offload_reference_model: bool = arg(False, "Keep the reference model's parameters in CPU memory (ZeRO-3 offload).")
+    offload_reward_model: bool = arg(False, "Keep the reward model's parameters in CPU memory (ZeRO-3 offload).")
+    dtype: str = arg("bf16", "bf16, fp16 or fp32.")
+    actor_lora_dim: int = arg(0, "Actor LoRA rank (0: off).")
+    actor_lora_module_name: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "Actor LoRA target modules.")
+    critic_lora_dim: int = arg(0, "Critic LoRA rank (0: off).")
+    critic_lora_module_name: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "Critic LoRA target modules.")
+    only_optimize_lora: bool = arg(False, "Train only LoRA weights (and the critic's value head).")
+    local_rank: int = arg(-1, "Set by the deepspeed launcher.")
+    dist_timeout_s: int = arg(600, "Collective timeout in seconds.")
+    seed: int = arg(1234, "Random seed.")
+
+
+@dataclass
+class Step3Log:
+    output_dir: Optional[str] = arg(None, "Where actor/, critic/ (and actor_ema/) are written (required).")
+    enable_tensorboard: bool = arg(False, "Write TensorBoard event files.")
+    tensorboard_path: Optional[str] = arg(None, "TensorBoard directory (default: <output_dir>/logs/tensorboard).")
+    eval_interval: int = arg(0, "Evaluate on held-out prompts every N steps (0: before and after training only).")
+    log_interval: int = arg(1, "Log every N steps.")
+    progress_bar: bool = arg(True, "Progress bar with ETA on rank 0.")
+
+
+@dataclass
+class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train, Step3Log):
+    def validate(self) -> None:
+        require(self, "actor_model_name_or_path", "data_path", "output_dir")
+        for flag in ("actor_zero_stage", "critic_zero_stage"):
+            if getattr(self, flag) not in (0, 1, 2, 3):
+                raise ConfigError(f"--{flag} {getattr(self, flag)} is out of range: use 0, 1, 2 or 3")
+        if self.dtype not in ("bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype {self.dtype}: use bf16, fp16 or fp32")
+        if self.algo not in ALGOS:
+            raise ConfigError(f"--algo {self.algo}: choose one of {', '.join(ALGOS)}")
+        spec = ALGOS[self.algo]
+        if spec.needs_critic and not self.critic_model_name_or_path:
+            raise ConfigError(f"--algo {self.algo} trains a critic: pass --critic_model_name_or_path (a step-2 reward model)")
+        if not (self.reward_fn or self.reward_model_name_or_path or self.critic_model_name_or_path):
+            raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path) and/or --reward_fn")
+        if spec.needs_groups and self.n_samples_per_prompt < 2:
+            raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
+        if self.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+            raise ConfigError(f"--loss_agg {self.loss_agg}: use token_mean, seq_mean_token_mean or seq_mean_token_sum")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ConfigError(f"--kl_estimator {self.kl_estimator}: use k1, k2 or k3")
+        if self.rollout_backend not in ROLLOUT_BACKENDS:
+            raise ConfigError(f"--rollout_backend {self.rollout_backend}: choose one of {', '.join(ROLLOUT_BACKENDS)}")
+        for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches", "ppo_epochs",
+                     "max_prompt_seq_len", "max_answer_seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1")
+        if self.samples_per_rank % self.per_device_training_batch_size:
+            raise ConfigError(
+                f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the samples per rank per step "
+                f"({self.per_device_generation_batch_size} prompts x {self.generation_batches} batches x {self.n_samples_per_prompt} samples "
+                f"= {self.samples_per_rank})")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("--max_steps must be >= 1")
+
+    @property
+    def samples_per_rank(self) -> int:
+        """Samples each rank trains on per step (derived once, here)."""
+        return self.per_device_generation_batch_size * self.generation_batches * self.n_samples_per_prompt
+
+    @property
+    def clip_eps(self) -> tuple[float, float]:
+        spec = ALGOS[self.algo]
+        default_low, default_high = spec.clip_eps if self.algo == "dapo" else (self.cliprange, self.cliprange)
+        return (self.clip_eps_low if self.clip_eps_low is not None else default_low,
+                self.clip_eps_high if self.clip_eps_high is not None else default_high)
+
+    @property
+    def backend(self) -> str:
+        return "deepspeed" if self.enable_hybrid_engine else self.rollout_backend
