@@ -297,3 +297,16 @@ class ParamEMA:
         finally:
             for p, b in zip(self.params, backup):
                 self._local(p).copy_(b)
+
+
+@torch.no_grad()
+def param_fingerprint(module: torch.nn.Module) -> float:
+    """A cheap checksum of a (possibly ZeRO-3 partitioned) model's weights: the sum over ranks of
+    each rank's owned elements (weighted by position so that permutations show). Collective."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(module.parameters()):
+        local = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
+        total += local.double().sum().cpu() * (1.0 + (i % 7) / 7.0)
+    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        total = dist.all_reduce_sum(total)
+    return float(total)

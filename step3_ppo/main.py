@@ -35,8 +35,8 @@ from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
 from rlhfkit.rl import ALGOS, compute_advantages  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    ParamEMA, batch_plan, build_engine, build_frozen_engine, eval_batches, print_summary, run_main, silence_libraries,
-    to_device, train_loader,
+    ParamEMA, batch_plan, build_engine, build_frozen_engine, eval_batches, param_fingerprint, print_summary, run_main,
+    silence_libraries, to_device, train_loader,
 )
 from step3_ppo.config import Step3Config  # noqa: E402
 
@@ -284,6 +284,9 @@ def main() -> None:
     # 4. The loop: rollout -> experience -> advantages -> ppo_epochs of updates -> metrics.
     from tqdm import tqdm
 
+    frozen = {"reference": ref.module, **({"reward_model": reward_model.module} if reward_model is not None else {})}
+    fingerprints_before = {k: param_fingerprint(m) for k, m in frozen.items()}
+
     evals = [{"step": 0, **evaluate()}] if eval_prompts else []
     if evals:
         logger.log(0, {f"eval/{k}": v for k, v in evals[0].items() if k != "step"})
@@ -338,7 +341,11 @@ def main() -> None:
         logger.log(total_steps, {f"eval/{k}": v for k, v in evals[-1].items() if k != "step"})
 
     # 5. Export actor/ and critic/ (and actor_ema/), each a checkpoint directory.
+    fingerprints_after = {k: param_fingerprint(m) for k, m in frozen.items()}
+    if fingerprints_after != fingerprints_before:  # a frozen model was updated: a bug, never a result to keep
+        raise RuntimeError(f"frozen model weights changed during training: {fingerprints_before} -> {fingerprints_after}")
     final = {"steps": total_steps, "seconds": seconds, "samples": samples_done,
+             "frozen_fingerprints": fingerprints_after,
              **({"eval_reward_before": evals[0]["reward"], "eval_reward_after": evals[-1]["reward"],
                  "eval_kl_per_seq_after": evals[-1]["kl_per_seq"]} if evals else {})}
     common = dict(config=config_dict(cfg), tokenizer=tokenizer, data=sources, metrics=final, dtype=cfg.dtype)

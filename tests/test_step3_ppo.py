@@ -1,0 +1,130 @@
+"""Step 3 through the real program on tiny models: one PPO step on 1 rank ZeRO-0 and 2 ranks ZeRO-3,
+the GRPO family without a critic, and DeepSpeed-Chat's known failure modes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from testutils import run_program
+
+PROMPTS = [{"prompt": f"Tell me something about number {i}.", "chosen": f"Number {i} is nice.",
+            "rejected": f"I refuse {i}."} for i in range(12)]
+MATH = [{"question": f"What is {i} plus {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("step3data")
+    (d / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
+    (d / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MATH))
+    return d
+
+
+@pytest.fixture(scope="module")
+def reward_dir(tiny_dir, tmp_path_factory, tokenizer):
+    """A tiny reward model (stage 'reward') with a random non-zero score head."""
+    from rlhfkit.checkpoint import build_manifest, export_model
+    from rlhfkit.models import load_model
+
+    torch.manual_seed(3)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
+    model.score.weight.data.normal_(0, 1.0)
+    out = tmp_path_factory.mktemp("rm") / "reward"
+    export_model(model, tokenizer, out, build_manifest(stage="reward", config={}, tokenizer=tokenizer))
+    return out
+
+
+def ppo_args(actor, critic, data, out, *extra):
+    return ["--actor_model_name_or_path", str(actor), "--critic_model_name_or_path", str(critic), "--data_path", str(data),
+            "--output_dir", str(out), "--data_split", "0,0,1", "--eval_fraction", "0.2", "--max_eval_samples", "2",
+            "--max_prompt_seq_len", "48", "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "2",
+            "--per_device_training_batch_size", "2", "--max_steps", "1", "--dtype", "fp32", "--actor_learning_rate", "1e-2",
+            "--critic_learning_rate", "1e-2", "--progress_bar", "false", *extra]
+
+
+def read_metrics(out):
+    return [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights_changed(before_dir, after_dir):
+    a, b = load_file(before_dir / "model.safetensors"), load_file(after_dir / "model.safetensors")
+    return any(not torch.equal(a[k].float(), b[k].float()) for k in a if k in b)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks,zero", [(1, 0), (2, 3)])
+def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
+    out = tmp_path / "ppo"
+    proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--actor_zero_stage",
+                                                     str(zero), "--critic_zero_stage", str(zero), "--enable_ema"), nprocs=ranks)
+    step = [r for r in read_metrics(out) if "policy/loss" in r][0]
+    for key in ("policy/loss", "value/loss", "kl/per_token", "reward/score_mean", "policy/entropy", "policy/clip_frac",
+                "time/generation_s", "gen/truncated_rate", "perf/gen_tokens_per_s"):
+        assert key in step and step[key] == step[key] and abs(step[key]) != float("inf"), (key, step)
+    assert weights_changed(tiny_dir, out / "actor")  # the actor trained
+    assert weights_changed(reward_dir, out / "critic")  # the critic trained
+    manifest = json.loads((out / "actor" / "rlhfkit.json").read_text())
+    assert manifest["stage"] == "actor" and json.loads((out / "critic" / "rlhfkit.json").read_text())["stage"] == "critic"
+    fp = manifest["metrics"]["frozen_fingerprints"]  # the program checks these did not move; they are recorded
+    assert set(fp) == {"reference", "reward_model"}
+    assert (out / "actor_ema" / "rlhfkit.json").exists()
+    assert "held-out reward" in proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("algo", ["grpo", "dapo", "rloo", "reinforce_pp"])
+def test_critic_free_algorithms(tiny_dir, data, tmp_path, algo):
+    out = tmp_path / algo
+    args = ["--algo", algo, "--actor_model_name_or_path", str(tiny_dir), "--reward_fn", "gsm8k", "--data_path",
+            str(data / "math.jsonl"), "--output_dir", str(out), "--data_split", "0,0,1", "--eval_fraction", "0.2",
+            "--max_eval_samples", "2", "--max_prompt_seq_len", "48", "--max_answer_seq_len", "6",
+            "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", "2", "--n_samples_per_prompt",
+            "2" if algo != "reinforce_pp" else "1", "--max_steps", "1", "--dtype", "fp32", "--actor_zero_stage", "3",
+            "--progress_bar", "false"]
+    if algo == "reinforce_pp":
+        args[args.index("--per_device_training_batch_size") + 1] = "1"
+    run_program("step3_ppo/main.py", args, nprocs=2)
+    rows = read_metrics(out)
+    step = [r for r in rows if "policy/loss" in r or "sampling/skipped_step" in r][0]
+    assert step.get("policy/loss", 0.0) == step.get("policy/loss", 0.0)  # finite when trained
+    assert (out / "actor" / "rlhfkit.json").exists() and not (out / "critic").exists()  # no critic built
+
+
+def test_truncated_responses_reach_metrics_and_truncated_reward(tiny_dir, reward_dir, data, tmp_path):
+    """DeepSpeed-Chat scores a response cut at max length as if it had ended; here the flag reaches the
+    metrics and --truncated_reward replaces its score."""
+    out = tmp_path / "trunc"
+    run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--max_answer_seq_len", "2",
+                                              "--truncated_reward", "-7", "--clip_reward_value", "10"), nprocs=0)
+    step = [r for r in read_metrics(out) if "policy/loss" in r][0]
+    # a random tiny model essentially never emits EOS within 2 tokens
+    assert step["gen/truncated_rate"] == pytest.approx(1.0)
+    assert step["reward/shaped_mean"] == pytest.approx(-7.0) and step["reward/score_mean"] != pytest.approx(-7.0)
+
+
+def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
+    cases = [
+        (["--algo", "grpo"], "set --n_samples_per_prompt >= 2"),
+        (["--per_device_training_batch_size", "3"], "must divide the samples per rank"),
+        (["--rollout_backend", "deepspeed"], "needs CUDA"),
+        (["--actor_zero_stage", "4"], "--actor_zero_stage 4 is out of range"),
+    ]
+    for extra, message in cases:
+        proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", tmp_path / "x", *extra),
+                           nprocs=0, check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (extra, proc.stderr[-2000:])
+    # a reward model where the actor belongs
+    proc = run_program("step3_ppo/main.py", ppo_args(reward_dir, reward_dir, data / "pairs.jsonl", tmp_path / "y"), nprocs=0, check=False)
+    assert proc.returncode == 2 and "is a 'reward' checkpoint, but --actor_model_name_or_path expects" in proc.stderr
+    # a reward model trained with another tokenizer
+    import shutil
+
+    other = tmp_path / "other_rm"
+    shutil.copytree(reward_dir, other)
+    m = json.loads((other / "rlhfkit.json").read_text())
+    m["tokenizer_sha256"] = "0" * 64
+    (other / "rlhfkit.json").write_text(json.dumps(m))
+    proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, other, data / "pairs.jsonl", tmp_path / "z"), nprocs=0, check=False)
+    assert proc.returncode == 2 and "tokenizer mismatch" in proc.stderr and "Traceback" not in proc.stderr
