@@ -114,7 +114,7 @@ if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/n
   rk_exec "$RK_RLHFKIT" eval --run_dir "$RUN"                    # HOOK: rlhfkit eval
 fi
 if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" report --help >/dev/null 2>&1; then
-  rk_exec "$RK_RLHFKIT" report --run_dir "$RUN"                  # HOOK: rlhfkit report
+  rk_exec "$RK_RLHFKIT" report "$RUN"                            # HOOK: rlhfkit report
 fi
 # ---- end of hooks
 
