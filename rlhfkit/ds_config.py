@@ -4,9 +4,9 @@ No DeepSpeed or torch.distributed calls here, so every rule is unit-testable:
 - batch arithmetic: ``train_batch_size = micro x world x grad_accum``;
 - ZeRO 0-3 with optimizer offload (and parameter offload under ZeRO-3);
 - fp32 / bf16 / fp16 (fp16 with dynamic loss scaling);
-- the optimizer: on CUDA DeepSpeed builds it from the config (FusedAdam, or DeepSpeedCPUAdam when
-  offloading); on the CPU accelerator the program passes a torch AdamW (no JIT-compiled ops), and
-  ``zero_force_ds_cpu_optimizer`` is turned off so ZeRO-Offload accepts it.
+- the optimizer is torch's AdamW passed in by the program (fused kernels on CUDA, the plain one on
+  the CPU accelerator and with offload), never a JIT-compiled DeepSpeed op; ``zero_force_ds_cpu_optimizer``
+  is turned off so ZeRO-Offload accepts it.
 """
 
 from __future__ import annotations
@@ -68,9 +68,6 @@ def train_config(
     offload: bool = False,
     gradient_clipping: float = 1.0,
     on_cuda: bool = False,
-    learning_rate: float = 1e-5,
-    betas: tuple[float, float] = (0.9, 0.95),
-    weight_decay: float = 0.0,
     hybrid_engine: dict | None = None,
 ) -> dict:
     """DeepSpeed config for a trained model."""
@@ -85,10 +82,9 @@ def train_config(
     }
     if gradient_clipping and gradient_clipping > 0:
         cfg["gradient_clipping"] = gradient_clipping
-    if on_cuda:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": learning_rate, "betas": list(betas), "eps": 1e-8, "weight_decay": weight_decay}}
-    else:
-        cfg["zero_force_ds_cpu_optimizer"] = False
+    # The program passes torch's AdamW (fused on CUDA): no JIT-compiled DeepSpeed op, which fails on
+    # some CUDA images (arch strings like "9.0a") and costs minutes on every fresh node.
+    cfg["zero_force_ds_cpu_optimizer"] = False
     if hybrid_engine:
         if not on_cuda:
             raise ConfigError("--enable_hybrid_engine needs CUDA (DeepSpeed's Hybrid Engine kernels); on CPU use --rollout_backend hf")

@@ -120,19 +120,17 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
 
     on_cuda = dist.on_cuda()
     cfg = train_config(plan=plan, zero_stage=zero_stage, dtype=dtype, offload=offload, gradient_clipping=gradient_clipping,
-                       on_cuda=on_cuda, learning_rate=learning_rate, betas=betas, weight_decay=weight_decay,
-                       hybrid_engine=hybrid_engine)
+                       on_cuda=on_cuda, hybrid_engine=hybrid_engine)
     groups = param_groups(model, weight_decay, learning_rate, lora_learning_rate)
     if not groups:
         raise ConfigError("no trainable parameters (check --only_optimize_lora / --lora_dim)")
-    optimizer = None if on_cuda else torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8)
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=on_cuda and not offload)
 
     def scheduler(opt):
         return get_scheduler(lr_scheduler_type, optimizer=opt, num_warmup_steps=num_warmup_steps,
                              num_training_steps=max(total_steps, 1))
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=groups if on_cuda else None,
-                                      lr_scheduler=scheduler, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
     return engine
 
 
