@@ -96,6 +96,11 @@ class LogArgs:
     eval_interval: int = arg(0, "Evaluate every N optimiser steps (0: only before and after training).")
     log_interval: int = arg(1, "Log training metrics every N optimiser steps.")
     progress_bar: bool = arg(True, "Show a progress bar with ETA on rank 0.")
+    save_interval: int = arg(0, "Save a training state every N optimiser steps under <output_dir>/training_state (0: never).")
+    keep_last_k: int = arg(2, "Training states kept; older ones are deleted once a newer one is complete.")
+    resume: Optional[str] = arg(None, "'auto' (the newest complete state in --output_dir, if any) or a training-state directory.")
+    resume_allow_config_change: bool = arg(False, "Resume even if settings that change the run differ from the saved run's.")
+    max_nonfinite_steps: int = arg(10, "Stop after this many consecutive NaN/Inf losses (each such update is skipped).")
 
 
 def _load_file(path: str) -> dict:

@@ -136,3 +136,12 @@ def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
 
 def all_reduce_min(t: torch.Tensor) -> torch.Tensor:
     return -all_reduce_max(-t)
+
+
+def max_over_ranks(values: dict[str, float], device: torch.device | None = None) -> dict[str, float]:
+    """Max of a dict of python floats over ranks (one collective)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    t = all_reduce_max(torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device))
+    return {k: float(v) for k, v in zip(keys, t.tolist())}

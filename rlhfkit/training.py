@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -79,7 +79,10 @@ def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, se
     needs all ranks in every forward pass), deterministic for a seed (call ``set_epoch``)."""
     sampler = DistributedSampler(ListDataset(features), num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True,
                                  seed=seed, drop_last=False)
-    return DataLoader(ListDataset(features), batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False)
+    # Its own generator: a DataLoader otherwise draws a seed from the global RNG each time an epoch
+    # starts, which would make sampling after a resume differ from the uninterrupted run.
+    return DataLoader(ListDataset(features), batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def eval_batches(features: Sequence[Any], collate: Callable, batch_size: int) -> Iterable[tuple[Any, torch.Tensor]]:
@@ -167,6 +170,42 @@ class LoopResult:
     seconds: float = 0.0
     evals: list[dict] = field(default_factory=list)  # (step, metrics) of each evaluation
     last_train: dict = field(default_factory=dict)
+    nonfinite_skipped: int = 0  # updates skipped for a NaN/Inf loss
+
+
+def nonfinite_injected(counter: int) -> bool:
+    """Fault injection for tests: ``RLHFKIT_FAULT_NAN_AT=3,4`` makes the 3rd and 4th loss (counted from 1
+    in this process) NaN, so the skip-and-stop path runs through the real program."""
+    spec = os.environ.get("RLHFKIT_FAULT_NAN_AT", "")
+    return bool(spec) and str(counter) in spec.split(",")
+
+
+class NonFiniteGuard:
+    """Skips updates whose loss is NaN/Inf on any rank (all ranks skip together), counts them, and
+    stops the run after ``max_consecutive`` in a row."""
+
+    def __init__(self, max_consecutive: int, last_state: Callable[[], Any]):
+        self.max_consecutive = max_consecutive
+        self.last_state = last_state
+        self.total = 0
+        self.consecutive = 0
+        self.seen = 0
+
+    def ok(self, loss: torch.Tensor) -> bool:
+        self.seen += 1
+        bad = (not torch.isfinite(loss.detach()).all().item()) or nonfinite_injected(self.seen)
+        if dist.all_reduce_sum(torch.tensor([float(bad)], device=loss.device)).item() == 0:
+            self.consecutive = 0
+            return True
+        self.total += 1
+        self.consecutive += 1
+        dist.print_rank0(f"[nonfinite] loss is NaN/Inf: update skipped ({self.consecutive} in a row, {self.total} in all)")
+        if self.consecutive >= self.max_consecutive:
+            where = self.last_state()
+            raise RlhfkitError(f"{self.consecutive} consecutive non-finite losses (--max_nonfinite_steps {self.max_consecutive}); "
+                               f"stopped. Last good training state: {where or 'none saved (set --save_interval)'}; "
+                               "lower the learning rate or check the data, then --resume")
+        return False
 
 
 def fit(
@@ -183,34 +222,54 @@ def fit(
     logger,
     program: str,
     progress_bar: bool = True,
+    run_state: Optional[Any] = None,
+    max_nonfinite_steps: int = 10,
 ) -> LoopResult:
     """Train ``engine`` over ``loader`` for ``total_steps`` optimiser steps (or the epochs).
 
     ``compute_loss(batch) -> (loss, stats)`` runs the forward pass; stats are python floats averaged
     over ranks and micro-batches for logging. ``evaluate() -> metrics`` runs before training, every
-    ``eval_interval`` steps and at the end.
+    ``eval_interval`` steps and at the end. With ``run_state`` (:class:`rlhfkit.resume.RunState`) the
+    loop resumes from a saved state (same data order: the sampler is reseeded per epoch and the
+    batches already trained on are skipped) and saves one every ``save_interval`` steps.
     """
     from tqdm import tqdm
 
     res = LoopResult()
     dev = engine.device
-    ev = evaluate()
-    res.evals.append({"step": 0, **ev})
-    logger.log(0, {f"eval/{k}": v for k, v in ev.items()})
-    bar = tqdm(total=total_steps, desc=program, disable=not (progress_bar and dist.is_main()), dynamic_ncols=True,
-               file=sys.stdout)
-    t0 = time.time()
+    start_epoch, skip = 0, 0
+    restored = run_state.restore() if run_state is not None else None
+    if restored:
+        c = restored["counters"]
+        res.steps, res.samples, res.tokens = c["step"], c["samples"], c["tokens"]
+        start_epoch, skip = c["epoch"], c["batch_in_epoch"]
+        res.evals = restored["extra"].get("evals", [])
+    else:
+        ev = evaluate()
+        res.evals.append({"step": 0, **ev})
+        logger.log(0, {f"eval/{k}": v for k, v in ev.items()})
+    guard = NonFiniteGuard(max_nonfinite_steps, lambda: run_state.last_saved if run_state is not None else None)
+    bar = tqdm(total=total_steps, initial=res.steps, desc=program, disable=not (progress_bar and dist.is_main()),
+               dynamic_ncols=True, file=sys.stdout)
+    t0, samples0, tokens0 = time.time(), res.samples, res.tokens
     acc: dict[str, float] = {}
     n_micro = 0
     engine.train()
-    done = False
-    for epoch in range(epochs):
+    done = res.steps >= total_steps
+    for epoch in range(start_epoch, epochs):
+        if done:
+            break
         if hasattr(loader.sampler, "set_epoch"):
             loader.sampler.set_epoch(epoch)
-        for batch in loader:
+        for index, batch in enumerate(loader):
+            if epoch == start_epoch and index < skip:
+                continue
             batch = to_device(batch, dev)
             loss, stats = compute_loss(batch)
+            if not guard.ok(loss):
+                continue
             engine.backward(loss)
+            crash_point("train_step")
             engine.step()
             n_micro += 1
             for k, v in stats.items():
@@ -224,8 +283,9 @@ def fit(
             if res.steps % log_interval == 0 or res.steps == total_steps:
                 means = dist.mean_over_ranks({k: v / n_micro for k, v in acc.items()}, dev)
                 elapsed = time.time() - t0
-                means.update(lr=engine.get_lr()[0], samples_per_s=res.samples / elapsed, tokens_per_s=res.tokens / elapsed,
-                             samples=res.samples, tokens=res.tokens, epoch=epoch)
+                means.update(lr=engine.get_lr()[0], samples_per_s=(res.samples - samples0) / elapsed,
+                             tokens_per_s=(res.tokens - tokens0) / elapsed, samples=res.samples, tokens=res.tokens, epoch=epoch,
+                             nonfinite_skipped=guard.total)
                 res.last_train = means
                 logger.log(res.steps, {f"train/{k}": v for k, v in means.items()}, write=bar.write)
                 acc, n_micro = {}, 0
@@ -234,13 +294,15 @@ def fit(
                 engine.train()
                 res.evals.append({"step": res.steps, **ev})
                 logger.log(res.steps, {f"eval/{k}": v for k, v in ev.items()}, write=bar.write)
+            if run_state is not None and run_state.due(res.steps):
+                run_state.save(res.steps, {"epoch": epoch, "batch_in_epoch": index + 1, "samples": res.samples, "tokens": res.tokens},
+                               extra={"evals": res.evals})
             if res.steps >= total_steps:
                 done = True
                 break
-        if done:
-            break
     bar.close()
     res.seconds = time.time() - t0
+    res.nonfinite_skipped = guard.total
     if not res.evals or res.evals[-1]["step"] != res.steps:
         ev = evaluate()
         res.evals.append({"step": res.steps, **ev})
@@ -308,3 +370,73 @@ def param_fingerprint(module: torch.nn.Module) -> float:
     if any(hasattr(p, "ds_tensor") for p in module.parameters()):
         total = dist.all_reduce_sum(total)
     return float(total)
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory of this process in GiB (CPU), or peak allocated CUDA memory on GPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def make_run_state(cfg: Any, engines: dict[str, Any]):
+    """The :class:`rlhfkit.resume.RunState` of a program from its config's resume flags."""
+    from rlhfkit.config import config_dict
+    from rlhfkit.resume import RunState
+
+    return RunState(cfg.output_dir, engines, config_dict(cfg), save_interval=cfg.save_interval, keep_last_k=cfg.keep_last_k,
+                    resume=cfg.resume, allow_config_change=cfg.resume_allow_config_change)
+
+
+class BatchStream:
+    """Endless batches from a sharded loader, reshuffled each epoch, with a position (epoch, index)
+    that a training state records and a resumed run continues from."""
+
+    def __init__(self, loader: DataLoader, epoch: int = 0, index: int = 0):
+        self.loader, self.epoch, self.index = loader, epoch, index
+        self._it: Optional[Iterator] = None
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            if self._it is None:
+                if hasattr(self.loader.sampler, "set_epoch"):
+                    self.loader.sampler.set_epoch(self.epoch)
+                self._it = iter(self.loader)
+                for _ in range(self.index):  # skip what was already consumed before a resume
+                    next(self._it)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                self._it, self.epoch, self.index = None, self.epoch + 1, 0
+                continue
+            self.index += 1
+            return batch
+
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+_CRASH_COUNTS: dict[str, int] = {}
+
+
+def crash_point(where: str) -> None:
+    """Fault injection for tests: ``RLHFKIT_FAULT_KILL=<where>:<n>`` SIGKILLs rank 0 the n-th time it
+    reaches ``where`` ("train_step" in the supervised loop, "generation" in step 3's rollouts), so a
+    crash mid-run is reproducible."""
+    spec = os.environ.get("RLHFKIT_FAULT_KILL", "")
+    if not spec or not dist.is_main():
+        return
+    name, _, n = spec.partition(":")
+    if name != where:
+        return
+    _CRASH_COUNTS[where] = _CRASH_COUNTS.get(where, 0) + 1
+    if _CRASH_COUNTS[where] == int(n or 1):
+        import signal
+
+        print(f"[fault injection] SIGKILL at {where} #{n}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

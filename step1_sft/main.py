@@ -28,7 +28,7 @@ from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    batch_plan, build_engine, count_steps, eval_batches, fit, print_summary, run_main, silence_libraries, to_device,
+    batch_plan, build_engine, count_steps, eval_batches, fit, make_run_state, print_summary, run_main, silence_libraries, to_device,
     train_loader,
 )
 
@@ -112,10 +112,11 @@ def main() -> None:
     # 6. Train, then export the checkpoint directory.
     result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
                  epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
-                 log_interval=cfg.log_interval, logger=logger, program="sft", progress_bar=cfg.progress_bar)
+                 log_interval=cfg.log_interval, logger=logger, program="sft", progress_bar=cfg.progress_bar,
+                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps)
     first, last = result.evals[0], result.evals[-1]
     metrics = {"eval_perplexity_before": first["perplexity"], "eval_perplexity_after": last["perplexity"],
-               "eval_loss_after": last["loss"], "steps": result.steps, "train_samples": result.samples,
+               "eval_loss_after": last["loss"], "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_samples": result.samples,
                "train_tokens": result.tokens, "seconds": result.seconds}
     manifest = build_manifest(stage="sft", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
                               data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype)

@@ -29,7 +29,7 @@ from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
 from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    batch_plan, build_engine, count_steps, eval_batches, fit, print_summary, run_main, silence_libraries, train_loader,
+    batch_plan, build_engine, count_steps, eval_batches, fit, make_run_state, print_summary, run_main, silence_libraries, train_loader,
 )
 
 
@@ -112,11 +112,12 @@ def main() -> None:
     # 6. Train, then export the checkpoint directory.
     result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
                  epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
-                 log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar)
+                 log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
+                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps)
     first, last = result.evals[0], result.evals[-1]
     metrics = {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
                "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
-               "steps": result.steps, "train_pairs": result.samples // 2, "seconds": result.seconds,
+               "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2, "seconds": result.seconds,
                "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
     manifest = build_manifest(stage="reward", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
                               data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype,

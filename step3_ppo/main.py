@@ -35,8 +35,8 @@ from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
 from rlhfkit.rl import ALGOS, compute_advantages  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    ParamEMA, batch_plan, build_engine, build_frozen_engine, eval_batches, param_fingerprint, print_summary, run_main,
-    silence_libraries, to_device, train_loader,
+    BatchStream, NonFiniteGuard, ParamEMA, batch_plan, crash_point, build_engine, build_frozen_engine, eval_batches, make_run_state,
+    param_fingerprint, peak_rss_gb, print_summary, run_main, silence_libraries, to_device, train_loader,
 )
 from step3_ppo.config import Step3Config  # noqa: E402
 
@@ -112,7 +112,7 @@ def main() -> None:
                                          eval_fraction=0.0, strict=cfg.strict)
         ptx_set, _ = tokenize_sft(ptx_rows, tokenizer, cfg.max_prompt_seq_len + cfg.max_answer_seq_len)
         ptx_loader = train_loader(ptx_set, lambda r: collate_sft(r, tokenizer.pad_token_id), cfg.per_device_training_batch_size, cfg.seed)
-        ptx_iter = cycle(ptx_loader)
+        ptx_iter = BatchStream(ptx_loader)
 
     # 3. The four models: actor (trained) + reference (frozen copy of it), critic (trained, from the
     #    reward model) + reward model (frozen); the GRPO family has no critic.
@@ -163,6 +163,8 @@ def main() -> None:
         mask = prompt_batch["attention_mask"].to(dev).repeat_interleave(repeat, 0)
         rows = [source_rows[i].meta for i in prompt_batch["index"].tolist() for _ in range(repeat)]
         t0 = time.time()
+        if gen_cfg is gen:
+            crash_point("generation")
         batch = rollout.generate(PromptBatch(ids, mask), gen_cfg)
         t_gen = time.time() - t0
         P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
@@ -248,14 +250,16 @@ def main() -> None:
                                            ptx["labels"])
                     loss = loss + cfg.unsup_coef * ptx_loss
                     step_stats["policy/ptx_loss"] = ptx_loss.item()
-                actor.backward(loss)
-                actor.step()
+                if guard.ok(loss):
+                    actor.backward(loss)
+                    actor.step()
                 if critic is not None:
                     v = critic_forward(critic, mb.sequences, mb.attention_mask, mb.prompt_len)
                     vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, cfg.cliprange_value, cfg.loss_agg,
                                                      num_tokens=max(norm[0].item(), 1.0) / dist.world_size(), num_seqs=n_seq)
-                    critic.backward(vf_loss)
-                    critic.step()
+                    if guard.ok(vf_loss):
+                        critic.backward(vf_loss)
+                        critic.step()
                     step_stats.update({"value/loss": vf_loss.item(), "value/clip_frac": float(vs["vf_clip_frac"])})
                 if ema is not None:
                     ema.update()
@@ -287,13 +291,28 @@ def main() -> None:
     frozen = {"reference": ref.module, **({"reward_model": reward_model.module} if reward_model is not None else {})}
     fingerprints_before = {k: param_fingerprint(m) for k, m in frozen.items()}
 
-    evals = [{"step": 0, **evaluate()}] if eval_prompts else []
-    if evals:
-        logger.log(0, {f"eval/{k}": v for k, v in evals[0].items() if k != "step"})
-    prompt_iter = cycle(loader)
-    bar = tqdm(total=total_steps, desc=cfg.algo, disable=not (cfg.progress_bar and dist.is_main()), file=sys.stdout)
-    t_start, samples_done, tokens_done = time.time(), 0, 0
-    for step in range(1, total_steps + 1):
+    run_state = make_run_state(cfg, {"actor": actor, **({"critic": critic} if critic is not None else {})})
+    restored = run_state.restore()
+    prompt_iter = BatchStream(loader)
+    start, samples_done, tokens_done = 1, 0, 0
+    if restored:  # continue exactly: engines and RNGs are loaded; counters, data position, KL coefficient, EMA here
+        c, extra = restored["counters"], restored["extra"]
+        start, samples_done, tokens_done = c["step"] + 1, c["samples"], c["tokens"]
+        prompt_iter = BatchStream(loader, **c["prompts"])
+        if ptx_iter is not None:
+            ptx_iter = BatchStream(ptx_iter.loader, **c["ptx"])
+        kl_ctl.load_state_dict(extra["kl_ctl"])
+        evals = extra["evals"]
+        if ema is not None:
+            ema.load_state_dict(restored["rank_extra"]["ema"])
+    else:
+        evals = [{"step": 0, **evaluate()}] if eval_prompts else []
+        if evals:
+            logger.log(0, {f"eval/{k}": v for k, v in evals[0].items() if k != "step"})
+    guard = NonFiniteGuard(cfg.max_nonfinite_steps, lambda: run_state.last_saved)
+    bar = tqdm(total=total_steps, initial=start - 1, desc=cfg.algo, disable=not (cfg.progress_bar and dist.is_main()), file=sys.stdout)
+    t_start = time.time()
+    for step in range(start, total_steps + 1):
         t0 = time.time()
         exp, rounds, t_gen, t_exp = collect(prompt_iter)
         if len(exp) == 0:  # dynamic sampling found no informative group on some rank within max rounds
@@ -320,7 +339,9 @@ def main() -> None:
         n_samples = len(exp) * dist.world_size()
         n_tokens = dist.all_reduce_sum(lengths.sum().double()).item()
         samples_done, tokens_done = samples_done + n_samples, tokens_done + n_tokens
-        metrics.update({"kl/coef": kl_ctl.value, "sampling/rounds": rounds, "time/generation_s": t_gen, "time/experience_s": t_exp,
+        metrics.update(dist.max_over_ranks({"mem/peak_rss_gb": peak_rss_gb()}, dev))
+        metrics.update({"kl/coef": kl_ctl.value, "nonfinite/skipped": guard.total, "sampling/rounds": rounds,
+                        "time/generation_s": t_gen, "time/experience_s": t_exp,
                         "time/training_s": t_train, "time/step_s": step_s, "time/generation_share": t_gen / max(step_s, 1e-9),
                         "perf/samples_per_s": n_samples / step_s, "perf/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9)})
         if step % cfg.log_interval == 0 or step == total_steps:
@@ -333,6 +354,11 @@ def main() -> None:
         if eval_prompts and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
             evals.append({"step": step, **evaluate()})
             logger.log(step, {f"eval/{k}": v for k, v in evals[-1].items() if k != "step"}, write=bar.write)
+        if run_state.due(step):
+            run_state.save(step, {"samples": samples_done, "tokens": tokens_done, "prompts": prompt_iter.position(),
+                                  **({"ptx": ptx_iter.position()} if ptx_iter is not None else {})},
+                           extra={"kl_ctl": kl_ctl.state_dict(), "evals": evals},
+                           rank_extra={"ema": ema.state_dict()} if ema is not None else None)
         bar.update(1)
     bar.close()
     seconds = time.time() - t_start
@@ -374,16 +400,6 @@ def main() -> None:
     lines["metrics"] = os.path.join(out, "logs", "metrics.jsonl")
     lines["next"] = f"rlhfkit chat --model {os.path.join(out, 'actor')}   |   rlhfkit report {os.path.dirname(out)}"
     print_summary(f"step 3 ({cfg.algo}) done", lines)
-
-
-def cycle(loader):
-    """Endless iteration over a sharded loader, reshuffled each epoch."""
-    epoch = 0
-    while True:
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,202 @@
+"""Training states for ``--resume``: everything needed to continue a run exactly.
+
+``<output_dir>/training_state/step_<N>/`` (N = optimiser steps done, or PPO steps in step 3) holds:
+- ``<name>/``: a DeepSpeed engine checkpoint per trained model (weights, optimizer, scheduler);
+- ``rng_rank<R>.pt``: python, numpy and torch RNG states of each rank (tensors and lists only, read
+  back with ``torch.load(weights_only=True)``);
+- ``extra_rank<R>.pt``: per-rank extras (e.g. EMA shards), same format;
+- ``state.json``: counters (step, epoch, position in the epoch), program extras (KL coefficient,
+  evaluations so far), the config, the world size, and a sha256 of every file, written last.
+
+A state is written under ``.step_<N>.tmp`` and renamed when complete; ``--resume auto`` takes the
+newest state whose files match their hashes (skipping, with a message, any that do not), while a
+state named explicitly must be complete. A resume whose config differs in a field that changes the
+run (world size, batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from rlhfkit import distributed as dist
+from rlhfkit.checkpoint import check_free_space, estimate_bytes, sha256_file
+from rlhfkit.errors import CheckpointError
+
+STATE_DIR = "training_state"
+STATE_FILE = "state.json"
+# Fields that may differ between the interrupted run and its resumption.
+FREE_FIELDS = {
+    "resume", "resume_allow_config_change", "max_steps", "num_train_epochs", "eval_interval", "log_interval", "save_interval",
+    "keep_last_k", "progress_bar", "enable_tensorboard", "tensorboard_path", "local_rank", "dist_timeout_s",
+    "max_nonfinite_steps", "print_answers", "print_answers_interval", "output_dir", "max_eval_samples",
+}
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {"python": list(random.getstate()[1]), "python_pos": random.getstate()[2],
+             "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
+             "numpy_gauss": [int(np_state[3]), float(np_state[4])], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate((3, tuple(state["python"]), state["python_pos"]))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), state["numpy_pos"], *state["numpy_gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _files_with_hashes(directory: Path) -> dict:
+    return {f.relative_to(directory).as_posix(): {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+            for f in sorted(directory.rglob("*")) if f.is_file() and f.name != STATE_FILE}
+
+
+def verify_state(path: Path) -> Optional[str]:
+    """None if the state at ``path`` is complete and intact, else what is wrong."""
+    meta = path / STATE_FILE
+    if not meta.exists():
+        return f"{STATE_FILE} is missing (the save was interrupted)"
+    try:
+        state = json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        return f"{STATE_FILE} is unreadable ({e})"
+    for rel, info in state.get("files", {}).items():
+        f = path / rel
+        if not f.exists():
+            return f"{rel} is missing"
+        if f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+            return f"{rel} does not match its hash (truncated or corrupted)"
+    return None
+
+
+def _step_of(p: Path) -> int:
+    try:
+        return int(p.name.split("_", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def find_states(output_dir: str) -> list[Path]:
+    root = Path(output_dir) / STATE_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and _step_of(p) >= 0), key=_step_of)
+
+
+class RunState:
+    """Saves and restores the training state of one run. All methods are collective."""
+
+    def __init__(self, output_dir: str, engines: dict[str, Any], config: dict, *, save_interval: int = 0,
+                 keep_last_k: int = 2, resume: Optional[str] = None, allow_config_change: bool = False):
+        self.root = Path(output_dir) / STATE_DIR
+        self.output_dir = output_dir
+        self.engines = engines
+        self.config = config
+        self.save_interval = save_interval
+        self.keep_last_k = keep_last_k
+        self.resume = resume
+        self.allow_config_change = allow_config_change
+        self.last_saved: Optional[Path] = None
+
+    # -- choosing the state to resume from ------------------------------------------------------
+
+    def _pick(self) -> Optional[Path]:
+        if not self.resume:
+            return None
+        if self.resume != "auto":
+            path = Path(self.resume)
+            if not path.is_dir():
+                raise CheckpointError(f"--resume {self.resume}: no such training state directory")
+            problem = verify_state(path)
+            if problem:
+                raise CheckpointError(f"--resume {self.resume}: the training state is incomplete or corrupted: {problem}")
+            return path
+        for path in reversed(find_states(self.output_dir)):
+            problem = verify_state(path)
+            if problem is None:
+                return path
+            dist.print_rank0(f"[resume] skipping {path}: {problem}")
+        dist.print_rank0(f"[resume] no complete training state under {self.root}; starting from the beginning")
+        return None
+
+    def _check_config(self, saved: dict, path: Path) -> None:
+        if saved.get("world_size") != dist.world_size():
+            msg = f"world size {dist.world_size()} differs from the saved run's {saved.get('world_size')}"
+        else:
+            old, new = saved.get("config", {}), self.config
+            diff = sorted(k for k in set(old) | set(new) if k not in FREE_FIELDS and old.get(k) != new.get(k))
+            if not diff:
+                return
+            msg = "changed: " + ", ".join(f"--{k} {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
+        if self.allow_config_change:
+            dist.print_rank0(f"[resume] {path}: {msg} (allowed by --resume_allow_config_change)")
+            return
+        raise CheckpointError(f"--resume {path}: the configuration does not match the saved run ({msg}); "
+                              "resume with the same settings, or pass --resume_allow_config_change")
+
+    def restore(self) -> Optional[dict]:
+        """Load the chosen state into the engines and the RNGs; return its counters and extras."""
+        path = self._pick()
+        path = dist.broadcast_object(str(path) if path else None)
+        if path is None:
+            return None
+        path = Path(path)
+        saved = json.loads((path / STATE_FILE).read_text())
+        self._check_config(saved, path)
+        for name, engine in self.engines.items():
+            load_path, _ = engine.load_checkpoint(str(path / name), tag="ds", load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+            if load_path is None:
+                raise CheckpointError(f"--resume {path}: DeepSpeed could not load the {name} engine state")
+        r = dist.rank()
+        _set_rng_state(torch.load(path / f"rng_rank{r}.pt", weights_only=True))
+        extra_file = path / f"extra_rank{r}.pt"
+        saved["rank_extra"] = torch.load(extra_file, weights_only=True) if extra_file.exists() else {}
+        dist.print_rank0(f"[resume] continuing from {path} (step {saved['counters']['step']})")
+        return saved
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return bool(self.save_interval) and step % self.save_interval == 0
+
+    def save(self, step: int, counters: dict, extra: Optional[dict] = None, rank_extra: Optional[dict] = None) -> Path:
+        final = self.root / f"step_{step}"
+        tmp = self.root / f".step_{step}.tmp"
+        if dist.is_main():
+            check_free_space(self.root.parent, sum(estimate_bytes(e.module) * 4 for e in self.engines.values()))
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        for name, engine in self.engines.items():
+            engine.save_checkpoint(str(tmp / name), tag="ds")
+        r = dist.rank()
+        torch.save(_rng_state(), tmp / f"rng_rank{r}.pt")
+        if rank_extra:
+            torch.save(rank_extra, tmp / f"extra_rank{r}.pt")
+        dist.barrier()
+        if dist.is_main():
+            state = {"counters": {"step": step, **counters}, "extra": extra or {}, "config": self.config,
+                     "world_size": dist.world_size(), "files": _files_with_hashes(tmp)}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            for old in find_states(self.output_dir)[:-self.keep_last_k] if self.keep_last_k > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        self.last_saved = final
+        return final
