@@ -111,10 +111,10 @@ stage "step 3 ($ALGO)" "$RUN/step3" step3_ppo.sh \
 # ---- HOOKS: evaluation and report. They run once `rlhfkit eval` / `rlhfkit report` exist;
 # ---- adjust their flags here when those subcommands land.
 if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/null 2>&1; then
-  rk_exec "$RK_RLHFKIT" eval --run_dir "$RUN"                    # HOOK: rlhfkit eval
+  rk_exec "$RK_RLHFKIT" eval --actor "$RUN/step3/actor" --baseline "$RUN/step1" --reward_model "$RUN/step2" --out "$RUN/eval" --max_new_tokens "$PPO_ANSWER_SEQ"; rk_log "evaluation (actor vs step 1 on held-out prompts): $RUN/eval/report.md, $RUN/eval/results.json"  # HOOK: rlhfkit eval
 fi
 if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" report --help >/dev/null 2>&1; then
-  rk_exec "$RK_RLHFKIT" report "$RUN"                            # HOOK: rlhfkit report
+  rk_exec "$RK_RLHFKIT" report "$RUN"; rk_log "training report: $RUN/report/report.md"  # HOOK: rlhfkit report
 fi
 # ---- end of hooks
 

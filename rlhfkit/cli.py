@@ -87,11 +87,56 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# eval
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from rlhfkit.evaluation import options_from_args, run_eval
+
+    run_eval(options_from_args(args))
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval", help="compare the step-3 actor with a baseline on held-out prompts: reward ± CI, win rate, KL, plots",
+        description="Generates a response per prompt with --actor (and --baseline), scores them with --reward_model and/or "
+                    "--reward_fn (summed), and writes OUT/report.md, OUT/results.json and PNG plots: mean reward with a 95% "
+                    "Student-t interval, response length, truncation rate, wins/ties/losses of the actor, "
+                    "KL(actor || baseline) on the actor's responses, example pairs. Greedy decoding unless "
+                    "--temperature/--top_p are given; the same --seed gives the same results.json.")
+    p.add_argument("--actor", required=True, help="the policy to evaluate (step3/actor/; or sft, dpo, base checkpoints)")
+    p.add_argument("--baseline", default=None, help="the model to compare with, usually the step-1 (SFT) checkpoint")
+    p.add_argument("--reward_model", default=None, help="a reward (or critic) checkpoint, e.g. step2/; scores read at the last real token")
+    p.add_argument("--reward_fn", default=None, help="gsm8k or module.path:function(prompts, responses, rows) -> scores; summed with --reward_model")
+    p.add_argument("--prompts", nargs="+", default=[], metavar="PATH",
+                   help="prompt data (any supported format; all its prompts, shuffled with --seed). Default: the actor's "
+                        "held-out step-3 prompts, re-created from its manifest")
+    p.add_argument("--n", type=int, default=64, help="at most this many prompts")
+    p.add_argument("--out", default="eval", help="output directory")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the --prompts shuffle and of sampling")
+    p.add_argument("--max_new_tokens", type=int, default=128, help="longest response; one without EOS by then is truncated")
+    p.add_argument("--max_prompt_len", type=int, default=None,
+                   help="prompts are left-truncated at a turn boundary to this many tokens, or dropped "
+                        "(default: the actor's step-3 max_prompt_seq_len, else 512)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default; forbids --temperature/--top_p)")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (seeded per model) instead of greedy")
+    p.add_argument("--top_p", type=float, default=None, help="sample with this nucleus mass instead of greedy")
+    p.add_argument("--batch_size", type=int, default=8, help="prompts per generation / forward batch")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if visible)")
+    p.add_argument("--examples", type=int, default=4, help="example pairs shown in report.md")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped inside the directories to run")
+    p.add_argument("--allow_pickle_weights", action="store_true", help="allow pickled .bin/.pt weights (they can run code)")
+    p.set_defaults(func=cmd_eval)
+
+
+# ----------------------------------------------------------------------------------------------
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
     add_report_parser,
+    add_eval_parser,
 ]
 
 
