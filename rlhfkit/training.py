@@ -37,6 +37,19 @@ def run_main(main: Callable[[], Any]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)
         sys.exit(130)
+    except Exception as e:  # a peer rank died or hung: say so in one line instead of a gloo/NCCL stack
+        if dist.world_size() > 1 and _is_collective_failure(e):
+            print(f"error: rank {dist.rank()} of {dist.world_size()}: a collective operation failed, so another rank died, "
+                  f"was killed or stopped answering (timeout --dist_timeout_s); stopping. ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+            os._exit(3)
+        raise
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "DistBackendError",
+                                   "timed out", "Timeout", "DistNetworkError", "Broken pipe"))
 
 
 def silence_libraries() -> None:
