@@ -131,7 +131,7 @@ def parse_config(cls: type[T], argv: Optional[list[str]] = None) -> T:
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(cls)
+    parser = HfArgumentParser(cls, allow_abbrev=False)  # --learning_rat must not silently mean --learning_rate
     parser.add_argument("--config", default=None, help="JSON or YAML file with any of these flags (command line wins).")
     names = {f.name for f in dataclasses.fields(cls)}
     if "--config" in argv or any(a.startswith("--config=") for a in argv):

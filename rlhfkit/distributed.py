@@ -6,6 +6,7 @@ plain single process (no launcher: world size 1, nothing initialised).
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import random
@@ -66,10 +67,28 @@ def init(timeout_s: int = 600) -> torch.device:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if not is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(remove_shm_buffers)
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
+
+
+def shm_buffer_glob(port: str | int | None = None, rank: str | int = "*") -> str:
+    """DeepSpeed's CPU accelerator keeps its all-reduce buffer in a /dev/shm file per rank and never
+    deletes it (each holds ~66 MB of RAM until removed)."""
+    port = port if port is not None else os.environ.get("MASTER_PORT", "*")
+    return f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_{rank}"
+
+
+def remove_shm_buffers(port: str | int | None = None, rank: str | int | None = None) -> None:
+    import glob
+
+    for path in glob.glob(shm_buffer_glob(port, os.environ.get("LOCAL_RANK", "0") if rank is None else rank)):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def free_port() -> int:
@@ -85,12 +104,22 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _reduce(t: torch.Tensor, op) -> torch.Tensor:
+    """All-reduce a copy of ``t``; CPU tensors travel through the accelerator when the backend is NCCL."""
+    out = t.detach().clone()
+    if not (is_initialized() and world_size() > 1):
+        return out
+    if out.device.type == "cpu" and dist.get_backend() == "nccl":
+        moved = out.to(device())
+        dist.all_reduce(moved, op=op)
+        return moved.to(out.device)
+    dist.all_reduce(out, op=op)
+    return out
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum of ``t`` over ranks (a new tensor; ``t`` is untouched)."""
-    t = t.detach().clone()
-    if is_initialized() and world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+    return _reduce(t, dist.ReduceOp.SUM)
 
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
@@ -128,10 +157,7 @@ def print_rank0(*args: Any, **kwargs: Any) -> None:
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
     """Element-wise max of ``t`` over ranks (a new tensor)."""
-    t = t.detach().clone()
-    if is_initialized() and world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    return _reduce(t, dist.ReduceOp.MAX)
 
 
 def all_reduce_min(t: torch.Tensor) -> torch.Tensor:

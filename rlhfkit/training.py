@@ -42,6 +42,7 @@ def run_main(main: Callable[[], Any]) -> None:
             print(f"error: rank {dist.rank()} of {dist.world_size()}: a collective operation failed, so another rank died, "
                   f"was killed or stopped answering (timeout --dist_timeout_s); stopping. ({type(e).__name__}: "
                   f"{str(e).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+            dist.remove_shm_buffers()
             os._exit(3)
         raise
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import subprocess
@@ -38,7 +39,12 @@ def run_program(script: str, args: list[str], nprocs: int = 1, timeout: int = 90
         cmd = [sys.executable, str(REPO / script), *args]
     else:
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(free_port()), str(REPO / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        if nprocs:  # a killed rank leaves DeepSpeed's /dev/shm all-reduce buffers behind (RAM)
+            for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{cmd[4]}_*"):
+                os.unlink(path)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
     return proc
