@@ -1,0 +1,122 @@
+"""DPO (step2_dpo/main.py) through the real program on a tiny random Llama, plus its response log-prob."""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from test_step1_sft import load_plain
+from testutils import REPO, run_program
+
+WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon"]
+PAIRS = [{"prompt": f"Say the word number {i}.", "chosen": f"The word is {w}.",
+          "rejected": "No. I refuse to help you with that, go away."} for i, w in enumerate(WORDS)]
+
+
+@pytest.fixture(scope="module")
+def pref_data(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "prefs.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in PAIRS * 4))  # 32 rows: 24 train, 8 held out
+    return p
+
+
+def dpo_args(model, data, out, *extra):
+    return ["--model_name_or_path", str(model), "--data_path", str(data), "--output_dir", str(out),
+            "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
+            "--learning_rate", "3e-3", "--lr_scheduler_type", "constant", "--per_device_train_batch_size", "2",
+            "--progress_bar", "false", *extra]
+
+
+def read_log(out):
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    evals = [{k[5:]: v for k, v in r.items() if k.startswith("eval/")} | {"step": r["step"]}
+             for r in rows if "eval/loss" in r]
+    train = [r for r in rows if "train/loss" in r]
+    return train, evals
+
+
+@pytest.mark.distributed
+def test_dpo_zero3_two_ranks_learns_preferences(tiny_dir, pref_data, tmp_path):
+    out = tmp_path / "dpo"
+    proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, out, "--zero_stage", "3", "--max_steps", "6",
+                                                     "--eval_interval", "3"), nprocs=2)
+    train, evals = read_log(out)
+    assert [e["step"] for e in evals] == [0, 3, 6]
+    before, after = evals[0], evals[-1]
+    # step 0: policy == reference, so every implicit reward is 0 and the loss is -log sigmoid(0) = log 2
+    assert abs(before["margin"]) < 1e-4 and abs(before["chosen_reward"]) < 1e-4, before
+    assert before["loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert before["pairs"] == 8 and after["pairs"] == 8
+    # training prefers the chosen answers on the held-out pairs
+    assert after["accuracy"] > before["accuracy"] and after["accuracy"] >= 0.75, evals
+    assert after["margin"] > 0.5 and after["margin"] == pytest.approx(after["chosen_reward"] - after["rejected_reward"])
+    assert after["loss"] < 0.8 * before["loss"], evals
+    assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["train/margin"] > 0
+    assert "accuracy 0.000 ->" in proc.stdout and "reference ZeRO-3" in proc.stdout
+
+    manifest = json.loads((out / "rlhfkit.json").read_text())
+    assert manifest["stage"] == "dpo" and manifest["parent"]["path"] == os.path.abspath(tiny_dir)
+    assert manifest["zero_stage"] == 3 and manifest["world_size"] == 2 and manifest["data"][0]["rows"] == 32
+    m = manifest["metrics"]
+    assert m["eval_accuracy_after"] == after["accuracy"] and m["eval_margin_before"] == before["margin"]
+    assert m["steps"] == 6 and m["train_pairs"] == 6 * 2 * 2
+    assert manifest["config"]["beta"] == 0.1 and manifest["config"]["loss_type"] == "sigmoid"
+    load_plain(out)
+
+
+@pytest.mark.distributed
+def test_dpo_ipo_one_rank_zero0_lora_offloaded_reference(tiny_dir, pref_data, tmp_path):
+    out = tmp_path / "ipo"
+    proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, out, "--zero_stage", "0", "--max_steps", "1",
+                                                     "--loss_type", "ipo", "--beta", "0.1", "--offload_reference_model",
+                                                     "--lora_dim", "4", "--only_optimize_lora"), nprocs=1)
+    train, evals = read_log(out)
+    assert len(train) == 1 and [e["step"] for e in evals] == [0, 1]
+    # IPO at step 0: h = 0, loss = (0 - 1 / (2 beta))^2 = 25
+    assert evals[0]["loss"] == pytest.approx((0 - 1 / (2 * 0.1)) ** 2, abs=1e-3)
+    assert evals[1]["loss"] < evals[0]["loss"]
+    assert "reference ZeRO-3, offloaded to CPU" in proc.stdout
+    manifest = json.loads((out / "rlhfkit.json").read_text())
+    assert manifest["stage"] == "dpo" and manifest["config"]["loss_type"] == "ipo" and manifest["metrics"]["steps"] == 1
+    load_plain(out)  # LoRA merged into plain weights
+
+
+def test_bad_dpo_flags_fail_clearly(tiny_dir, pref_data, tmp_path):
+    proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, tmp_path / "o", "--loss_type", "ipo",
+                                                     "--label_smoothing", "0.1"), nprocs=0, check=False)
+    assert proc.returncode == 2 and "--label_smoothing applies to --loss_type sigmoid only" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _program():
+    spec = importlib.util.spec_from_file_location("step2_dpo_main", REPO / "step2_dpo" / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sequence_logprobs_sum_response_tokens_only(tiny_dir):
+    """The program's summed response log-probs against a naive loop: prompt and padding count nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhfkit.data import collate_pairs
+
+    program = _program()
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    features = [{"chosen_input_ids": [5, 6, 7, 8, 9, 10], "rejected_input_ids": [5, 6, 7, 11], "prompt_len": 3},
+                {"chosen_input_ids": [12, 13, 14, 15, 16, 17, 18], "rejected_input_ids": [12, 13, 14, 15, 16, 19, 20, 21],
+                 "prompt_len": 5}]
+    batch = collate_pairs(features, pad_token_id=0)
+    with torch.no_grad():
+        chosen, rejected = program.sequence_logprobs(model, batch)
+        expected = []
+        for seq, plen in [(f["chosen_input_ids"], f["prompt_len"]) for f in features] + \
+                         [(f["rejected_input_ids"], f["prompt_len"]) for f in features]:
+            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+            expected.append(sum(logp[t - 1, seq[t]].item() for t in range(plen, len(seq))))
+    torch.testing.assert_close(torch.cat([chosen, rejected]), torch.tensor(expected), rtol=1e-5, atol=1e-4)
