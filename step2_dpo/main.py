@@ -36,7 +36,7 @@ from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    batch_plan, build_engine, build_frozen_engine, count_steps, eval_batches, fit, print_summary, run_main,
+    batch_plan, build_engine, build_frozen_engine, count_steps, eval_batches, fit, make_run_state, print_summary, run_main,
     silence_libraries, to_device, train_loader,
 )
 
@@ -193,7 +193,8 @@ def main() -> None:
     # 7. Train, then export the policy as an actor-type checkpoint directory.
     result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
                  epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
-                 log_interval=cfg.log_interval, logger=logger, program="dpo", progress_bar=cfg.progress_bar)
+                 log_interval=cfg.log_interval, logger=logger, program="dpo", progress_bar=cfg.progress_bar,
+                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps)
     first, last = result.evals[0], result.evals[-1]
     metrics = {f"eval_{k}_{when}": ev[k] for when, ev in (("before", first), ("after", last))
                for k in ("accuracy", "margin", "chosen_reward", "rejected_reward", "loss") if k in ev}
