@@ -79,9 +79,31 @@ class DeepSpeedHERolloutEngine:
             with isolated_generation_config(hf_model_of(self.module)), torch.no_grad():
                 out = self.engine.generate(input_ids=input_ids, attention_mask=attention_mask,
                                            generation_config=gen.to_hf(), synced_gpus=synced)
+        except (AttributeError, TypeError, ValueError, RuntimeError) as e:
+            if _raised_in_deepspeed_kernels(e):
+                raise ConfigError(_incompatible_message(self.module, e)) from e
+            raise
         finally:
             self.engine.train()  # swaps the training forwards back
             for m, training in modes:
                 m.training = training
         sequences = out.sequences if hasattr(out, "sequences") else out
         return postprocess(input_ids, attention_mask, sequences[:, P:], gen.eos_ids, gen.pad_token_id)
+
+
+def _raised_in_deepspeed_kernels(e: BaseException) -> bool:
+    """True when ``e`` came out of DeepSpeed's fused inference layers (not out of the model or our code)."""
+    import traceback
+
+    return any("deepspeed/model_implementations" in f.filename or "deepspeed/ops/transformer/inference" in f.filename
+               for f in traceback.extract_tb(e.__traceback__))
+
+
+def _incompatible_message(module: torch.nn.Module, e: BaseException) -> str:
+    import deepspeed
+    import transformers
+
+    return (f"DeepSpeed's Hybrid Engine kernels failed on {type(module).__name__} "
+            f"(deepspeed {deepspeed.__version__}, transformers {transformers.__version__}: its fused layers "
+            f"predate the transformers 5 decoder-layer interface): {type(e).__name__}: {e}. "
+            "Use --rollout_backend hf")

@@ -3,9 +3,9 @@
 Under ZeRO-3 a plain ``generate`` all-gathers every layer for every new token (DESIGN section 5:
 38.9 s for 64 tokens where a plain model needs 6.3 s). This backend instead gathers the actor's
 weights once per call into an *inference copy*: a plain model of the same class, built outside
-``zero.Init``, with no ZeRO hooks. Weights are gathered a bucket of modules at a time
-(``deepspeed.zero.GatheredParameters``), so peak memory is about one full model plus one bucket. Each
-rank then generates its own prompts with a KV cache and no collectives, so ranks may finish at
+``zero.Init``, with no ZeRO hooks. Weights are gathered a bucket of modules at a time, straight from
+the ZeRO-3 shards into the copy's storage, so peak memory is about one full model plus one bucket.
+Each rank then generates its own prompts with a KV cache and no collectives, so ranks may finish at
 different times and produce different lengths. The copy is dropped afterwards, or kept with
 ``keep_copy=True`` (its weights are refreshed on every call).
 
@@ -14,8 +14,9 @@ A peft LoRA actor becomes a plain copy with merged weights ``W + scaling * B @ A
 
 ZeRO 0-2 actors (and plain modules) hold full weights already: they generate directly, in eval mode.
 
-The training engine is not touched: its weights are only read (``modifier_rank=None``), and every
-submodule's train/eval mode is restored.
+The training engine does not notice: its weights are only read (shards directly, or
+``GatheredParameters(modifier_rank=None)`` for LoRA layers), and every submodule's train/eval mode
+and the model's ``generation_config`` are restored.
 """
 
 from __future__ import annotations
@@ -52,16 +53,22 @@ class HFRolloutEngine:
         engine: a ``DeepSpeedEngine`` (any ZeRO stage) around a Hugging Face causal LM, possibly a peft
             LoRA model, or such a model itself.
         keep_copy: keep the ZeRO-3 inference copy between calls (more memory, no rebuild).
-        bucket_numel: how many parameters to gather per collective while filling the copy.
+        bucket_numel: how many parameters to gather at a time while filling the copy (peak memory
+            is about the copy plus one bucket).
+        direct_gather: all-gather ZeRO-3 shards straight into the copy's storage; False always uses
+            ``deepspeed.zero.GatheredParameters`` and copies (the fallback for NVMe / quantised weights,
+            taken automatically when needed).
     """
 
-    def __init__(self, engine: Any, *, keep_copy: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL):
+    def __init__(self, engine: Any, *, keep_copy: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 direct_gather: bool = True):
         self.engine = engine
         self.module = unwrap_engine(engine)
         if not hasattr(self.module, "generate"):
             raise ConfigError(f"the actor {type(self.module).__name__} has no generate(); it must be a causal LM")
         self.keep_copy = keep_copy
         self.bucket_numel = int(bucket_numel)
+        self.direct_gather = direct_gather
         self.device = model_device(engine, self.module)
         self._copy: torch.nn.Module | None = None
         self.last_timings: dict[str, float] = {}  # seconds of the last call: gather (copy refresh), generate
@@ -102,7 +109,7 @@ class HFRolloutEngine:
         """Build the inference copy if needed and load the actor's current weights into it (collective)."""
         if self._copy is None:
             self._copy = build_inference_copy(self.module, self.device)
-        load_gathered_weights(self._copy, self.module, self.bucket_numel)
+        load_gathered_weights(self._copy, self.module, self.bucket_numel, direct=self.direct_gather)
         return self._copy
 
 
@@ -146,7 +153,7 @@ def _param_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def build_inference_copy(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """A plain (unpartitioned, hook-free, eval-mode, no-grad) model of the actor's class and config.
+    """A plain (unpartitioned, hook-free, eval-mode) model of the actor's class and config.
 
     Its parameters hold garbage until :func:`load_gathered_weights` fills them.
     """
@@ -160,7 +167,8 @@ def build_inference_copy(module: torch.nn.Module, device: torch.device) -> torch
         raise RuntimeError(
             "the inference copy came out ZeRO-3 partitioned: rollout.generate() was called inside a "
             "deepspeed.zero.Init context; call it outside")
-    model.requires_grad_(False)
+    # Parameters keep requires_grad=True: generate() runs under no_grad anyway, and on CPU torch's bf16
+    # linear is measurably slower (~30% here) with weights that do not require grad.
     model.eval()
     return model
 
@@ -232,8 +240,14 @@ def _merged_lora(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _fill_module(name: str, dst: torch.nn.Module, src: torch.nn.Module, todo: list[str]) -> None:
-    """Copy ``src``'s (gathered) tensors into ``dst``'s parameters named in ``todo``, and its buffers."""
+def _fill_module(name: str, dst: torch.nn.Module, src: torch.nn.Module, todo: list[str],
+                 owned: dict[int, torch.Tensor]) -> None:
+    """Fill ``dst``'s parameters named in ``todo`` (and its buffers) from ``src``.
+
+    ``owned`` maps ``id(actor parameter)`` to a full tensor this module gathered itself: the copy
+    adopts it as its storage (no copy). Anything else is read from the (GatheredParameters-
+    materialised or never partitioned) actor parameter and copied.
+    """
     if _is_lora_layer(src):
         tensors = _merged_lora(src)
         buffers_from = src.get_base_layer()
@@ -247,25 +261,73 @@ def _fill_module(name: str, dst: torch.nn.Module, src: torch.nn.Module, todo: li
         for pname in todo:
             target = dst._parameters[pname]
             source = tensors.get(pname)
+            adopt = source is not None and id(source) in owned
+            if adopt:
+                source = owned[id(source)]
             if source is None or source.shape != target.shape:
                 got = "nothing" if source is None else f"shape {tuple(source.shape)}"
                 raise RuntimeError(f"inference copy: '{name}.{pname}' wants shape {tuple(target.shape)}, "
                                    f"the actor gave {got}")
-            target.copy_(source)
+            if adopt:
+                target.data = source  # the gathered buffer becomes the copy's storage (actor's dtype)
+            else:
+                target.copy_(source)
         for bname, buf in dst._buffers.items():
             source = buffers_from._buffers.get(bname)
             if buf is not None and source is not None:
                 dst._buffers[bname] = source.detach().to(buf.device, copy=True)
 
 
-def load_gathered_weights(copy_model: torch.nn.Module, module: torch.nn.Module, bucket_numel: int) -> None:
+def _direct_gather_ok(params: list[torch.nn.Parameter]) -> bool:
+    """Whether every partitioned parameter's local shard is at hand (no NVMe swap, no quantised
+    weights), so :func:`_gather_direct` can all-gather the shards itself."""
+    for p in params:
+        if not hasattr(p, "ds_id"):
+            continue
+        shard = getattr(p, "ds_tensor", None)
+        group = getattr(p, "ds_process_group", None)
+        if shard is None or group is None or hasattr(shard, "ds_quant_scale"):
+            return False
+        if shard.numel() * torch.distributed.get_world_size(group) < p.ds_numel:
+            return False
+    return True
+
+
+def _gather_direct(params: list[torch.nn.Parameter], device: torch.device) -> dict[int, torch.Tensor]:
+    """Full copies of ZeRO-3 ``params``, gathered from their shards into new tensors.
+
+    ZeRO-3 flattens a parameter, pads it to a multiple of the group size and gives rank r the r-th
+    equal slice (``ds_tensor``); an all-gather of the slices, cut to ``ds_numel``, is the parameter.
+    The actor's parameters are only read: their ZeRO status is never changed.
+    """
+    dist = torch.distributed
+    unique = sorted({id(p): p for p in params if hasattr(p, "ds_id")}.values(), key=lambda p: p.ds_id)
+    pending = []
+    for p in unique:
+        shard = p.ds_tensor.data.to(device).view(-1)
+        out = torch.empty(shard.numel() * dist.get_world_size(p.ds_process_group), dtype=shard.dtype, device=device)
+        pending.append((p, out, dist.all_gather_into_tensor(out, shard, group=p.ds_process_group, async_op=True)))
+    full = {}
+    for p, out, work in pending:
+        work.wait()  # gloo handles are independent: wait on each
+        full[id(p)] = out[:p.ds_numel].view(p.ds_shape)
+    return full
+
+
+def load_gathered_weights(copy_model: torch.nn.Module, module: torch.nn.Module, bucket_numel: int,
+                          direct: bool = True) -> None:
     """Load the actor's full weights into ``copy_model``; collective under ZeRO-3.
 
-    Every rank walks the modules in the same order and gathers the same buckets (GatheredParameters
-    sorts by ``ds_id``), so the collectives line up. Tied parameters are filled once.
+    Every rank walks the modules in the same order and gathers the same buckets (sorted by
+    ``ds_id``), so the collectives line up. Tied parameters are filled once. Plain layers are
+    gathered straight from their shards into tensors the copy adopts (``direct``; one all-gather per
+    parameter, no copy, the actor untouched); LoRA layers, and every layer when a shard is not at
+    hand on some rank, go through ``deepspeed.zero.GatheredParameters`` (peft's merge reads the
+    module's own parameters).
     """
     import deepspeed
 
+    device = next(iter(copy_model.parameters())).device
     src_root = hf_model_of(module)
     plan: list[tuple[str, torch.nn.Module, torch.nn.Module, list[str]]] = []
     seen: set[int] = set()
@@ -278,6 +340,12 @@ def load_gathered_weights(copy_model: torch.nn.Module, module: torch.nn.Module, 
         if todo or any(b is not None for b in dst._buffers.values()):
             plan.append((name, dst, _resolve(src_root, name), todo))
 
+    if direct and is_zero3_partitioned(module):
+        ok = torch.tensor([int(_direct_gather_ok([p for _, _, src, todo in plan if todo for p in _source_params(src)]))],
+                          device=device)
+        torch.distributed.all_reduce(ok, op=torch.distributed.ReduceOp.MIN)  # every rank takes the same path
+        direct = bool(ok.item())
+
     def numel(p: torch.nn.Parameter) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
@@ -286,9 +354,14 @@ def load_gathered_weights(copy_model: torch.nn.Module, module: torch.nn.Module, 
     for i, item in enumerate(plan):
         bucket.append(item)
         size += sum(numel(p) for p in _source_params(item[2])) if item[3] else 0
-        if size >= bucket_numel or i == len(plan) - 1:
-            params = [p for _, _, src, todo in bucket if todo for p in _source_params(src)]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                for name, dst, src, todo in bucket:
-                    _fill_module(name, dst, src, todo)
-            bucket, size = [], 0
+        if size < bucket_numel and i < len(plan) - 1:
+            continue
+        via_direct = [p for _, _, src, todo in bucket if todo and direct and not _is_lora_layer(src)
+                      for p in _source_params(src)]
+        via_context = [p for _, _, src, todo in bucket if todo and not (direct and not _is_lora_layer(src))
+                       for p in _source_params(src)]
+        owned = _gather_direct(via_direct, device) if via_direct else {}
+        with deepspeed.zero.GatheredParameters(via_context, modifier_rank=None):
+            for name, dst, src, todo in bucket:
+                _fill_module(name, dst, src, todo, owned)
+        bucket, size = [], 0
