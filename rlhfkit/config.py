@@ -49,6 +49,7 @@ class DataArgs:
     max_eval_samples: Optional[int] = arg(None, "Cap on the held-out evaluation set (None: all of it).")
     max_seq_len: int = arg(512, "Maximum tokens of prompt + response; prompts are left-truncated first, then responses cut.")
     strict: bool = arg(False, "Fail on the first malformed data row instead of skipping and counting it.")
+    group_by_length: bool = arg(True, "Batch training rows of similar length together (less padding; same rows per epoch).")
 
 
 @dataclass

@@ -88,11 +88,50 @@ class ListDataset(Dataset):
         return self.items[i]
 
 
-def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, seed: int) -> DataLoader:
+class LengthGroupedSampler(torch.utils.data.Sampler):
+    """Shuffled, sharded batches of similar length (HF Trainer's ``group_by_length``, made
+    distributed): each epoch the rows are shuffled with ``seed + epoch``, cut into mega-batches of
+    ``mega`` global batches, each sorted by length and cut into global batches, whose order is shuffled
+    again; rank r takes its slice of every global batch. Padding shrinks to the length spread inside a
+    batch, every rank gets the same number of rows (the tail wraps around), and the same-step ranks
+    see similar lengths, so ZeRO-3 ranks wait less for each other."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, mega: int = 16):
+        self.lengths, self.batch_size, self.seed, self.mega = list(lengths), batch_size, seed, mega
+        self.world, self.rank, self.epoch = dist.world_size(), dist.rank(), 0
+        self.global_batch = batch_size * self.world
+        self.num_batches = max(1, math.ceil(len(self.lengths) / self.global_batch))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_batches * self.batch_size
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.lengths), generator=g).tolist()
+        total = self.num_batches * self.global_batch
+        order = (order * math.ceil(total / max(len(order), 1)))[:total]
+        batches = []
+        span = self.global_batch * self.mega
+        for start in range(0, total, span):
+            chunk = sorted(order[start:start + span], key=lambda i: self.lengths[i], reverse=True)
+            batches += [chunk[i:i + self.global_batch] for i in range(0, len(chunk), self.global_batch)]
+        for b in torch.randperm(len(batches), generator=g).tolist():
+            yield from batches[b][self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+
+def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, seed: int,
+                 lengths: Optional[Sequence[int]] = None) -> DataLoader:
     """A shuffled loader sharded over ranks; every rank gets the same number of batches (ZeRO-3
-    needs all ranks in every forward pass), deterministic for a seed (call ``set_epoch``)."""
-    sampler = DistributedSampler(ListDataset(features), num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True,
-                                 seed=seed, drop_last=False)
+    needs all ranks in every forward pass), deterministic for a seed (call ``set_epoch``). With
+    ``lengths``, batches group rows of similar length (less padding, same rows per epoch)."""
+    if lengths is not None:
+        sampler = LengthGroupedSampler(lengths, batch_size, seed)
+    else:
+        sampler = DistributedSampler(ListDataset(features), num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True,
+                                     seed=seed, drop_last=False)
     # Its own generator: a DataLoader otherwise draws a seed from the global RNG each time an epoch
     # starts, which would make sampling after a resume differ from the uninterrupted run.
     return DataLoader(ListDataset(features), batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=False,

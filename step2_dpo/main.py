@@ -120,7 +120,8 @@ def main() -> None:
 
     # 3. The policy as a DeepSpeed training engine (LoRA optional).
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed, lengths=[
+        max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"])) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     load = dict(dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
                 pad_token_id=tokenizer.pad_token_id)

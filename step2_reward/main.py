@@ -72,7 +72,8 @@ def main() -> None:
 
     # 3. The reward model (a one-label sequence classifier; fresh score head) and its engine.
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed, lengths=[
+        max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"])) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     model = load_model(cfg.model_name_or_path, "reward", dtype=cfg.dtype, dropout=cfg.dropout,
                        zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),

@@ -102,7 +102,8 @@ def main() -> None:
     def collate(rows):
         return collate_prompts(rows, tokenizer.pad_token_id)
 
-    loader = train_loader(train_prompts, collate, cfg.per_device_generation_batch_size, cfg.seed)
+    loader = train_loader(train_prompts, collate, cfg.per_device_generation_batch_size, cfg.seed,
+                          lengths=[len(f["prompt_ids"]) for f in train_prompts] if cfg.group_by_length else None)
     steps_per_epoch = max(1, len(loader) // cfg.generation_batches)
     total_steps = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.num_train_epochs)
     updates_per_step = cfg.ppo_epochs * cfg.samples_per_rank // cfg.per_device_training_batch_size
