@@ -53,7 +53,7 @@ def zero_section(stage: int, offload: bool, offload_param: bool | None = None) -
         if offload if offload_param is None else offload_param:
             section["offload_param"] = {"device": "cpu", "pin_memory": True}
         section.update(
-            stage3_param_persistence_threshold=1e4,
+            stage3_param_persistence_threshold=1e5,  # DeepSpeed's default: small tensors stay whole
             stage3_max_live_parameters=3e7,
             stage3_prefetch_bucket_size=3e7,
             stage3_gather_16bit_weights_on_model_save=False,

@@ -87,11 +87,21 @@ def main() -> None:
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
 
-    # 4. The loss: token-mean NLL of the response tokens over the whole global micro-batch.
+    # 4. The loss: token-mean NLL of the response tokens over the whole global micro-batch. Logits
+    #    are computed only from the earliest response position of the batch on (the prompt's are
+    #    never used: that skips a share of the 49k-vocabulary LM head and its log-softmax).
+    def response_logits(batch):
+        labels = batch["labels"]
+        first = int((labels != -100).float().argmax(-1).min().item())  # earliest labelled position
+        keep = labels.shape[1] - max(first - 1, 0)
+        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False,
+                        logits_to_keep=keep).logits
+        return logits, labels[:, labels.shape[1] - keep:]
+
     def compute_loss(batch):
         n_global = dist.all_reduce_sum((batch["labels"][:, 1:] != -100).sum().to(torch.float64))
-        logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        loss, _ = sft_loss(logits, batch["labels"], num_tokens=n_global.item() / dist.world_size())
+        logits, labels = response_logits(batch)
+        loss, _ = sft_loss(logits, labels, num_tokens=n_global.item() / dist.world_size())
         return loss, {"loss": loss.item()}  # the mean over ranks is the global token mean
 
     # 5. Evaluation: loss and perplexity on the held-out split.
@@ -101,9 +111,8 @@ def main() -> None:
         nll = torch.zeros(2, dtype=torch.float64)
         for batch, weights in eval_batches(eval_set, collate, cfg.per_device_eval_batch_size):
             batch = to_device(batch, engine.device)
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-            labels = batch["labels"].clone()
-            labels[weights.to(labels.device) == 0] = -100
+            batch["labels"][weights.to(batch["labels"].device) == 0] = -100
+            logits, labels = response_logits(batch)
             loss, n = sft_loss(logits, labels)
             nll += torch.tensor([loss.item() * n.item(), n.item()], dtype=torch.float64)
         total = dist.all_reduce_sum(nll)
