@@ -493,3 +493,60 @@ def crash_point(where: str) -> None:
 
         print(f"[fault injection] SIGKILL at {where} #{n}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------
+# the set-up the supervised programs (SFT, reward model, DPO) share
+
+
+def start_program(config_cls: type) -> Any:
+    """Parse the program's config, quiet the libraries, join the process group, seed everything."""
+    from rlhfkit.config import parse_config
+
+    cfg = parse_config(config_cls)
+    silence_libraries()
+    dist.init(cfg.dist_timeout_s)
+    dist.set_seed(cfg.seed)
+    return cfg
+
+
+def load_split(cfg: Any, *, phase: int, need: str, tokenize: Callable, tokenizer: Any) -> tuple[list, list, list]:
+    """This program's share of every data source, tokenised: (train features, eval features, source
+    reports), with what was read, skipped and truncated printed on rank 0."""
+    from rlhfkit.data import load_phase_data
+
+    train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=phase, need=need, data_split=cfg.data_split,
+                                                     seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
+                                                     max_eval=cfg.max_eval_samples)
+    train_set, train_report = tokenize(train_rows, tokenizer, cfg.max_seq_len)
+    eval_set, eval_report = tokenize(eval_rows, tokenizer, cfg.max_seq_len)
+    for s in sources:
+        dist.print_rank0(s.summary())
+    dist.print_rank0(f"train: {train_report.summary()}\neval: {eval_report.summary()}")
+    return train_set, eval_set, sources
+
+
+def feature_length(f: dict) -> int:
+    """Tokens of one training row (the longer side of a pair)."""
+    if "input_ids" in f:
+        return len(f["input_ids"])
+    return max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"]))
+
+
+def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, pad_token_id: int):
+    """``cfg.model_name_or_path`` loaded as ``kind`` (partitioned while loading under ZeRO-3), with
+    gradient checkpointing and LoRA as configured, wrapped in a DeepSpeed training engine."""
+    from rlhfkit.ds_config import init_config
+    from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model
+
+    model = load_model(cfg.model_name_or_path, kind, dtype=cfg.dtype, dropout=cfg.dropout,
+                       zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
+                       trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights, pad_token_id=pad_token_id)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora,
+                       task_type="SEQ_CLS" if kind == "reward" else "CAUSAL_LM")
+    return build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
+                        learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                        gradient_clipping=cfg.gradient_clipping, lr_scheduler_type=cfg.lr_scheduler_type,
+                        num_warmup_steps=cfg.num_warmup_steps, total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)

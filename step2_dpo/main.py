@@ -26,18 +26,17 @@ from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import dpo_loss, logprobs_from_logits  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import (  # noqa: E402
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, parse_config,
-    require,
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, require,
 )
-from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs  # noqa: E402
+from rlhfkit.data import collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer  # noqa: E402
+from rlhfkit.models import load_model, load_tokenizer  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    batch_plan, build_engine, build_frozen_engine, count_steps, eval_batches, fit, make_run_state, print_summary, run_main,
-    silence_libraries, to_device, train_loader,
+    batch_plan, build_frozen_engine, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary,
+    run_main, start_program, to_device, train_loader, trainable_engine,
 )
 
 LOSS_TYPES = ("sigmoid", "ipo")
@@ -95,10 +94,7 @@ def sequence_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main() -> None:
-    cfg = parse_config(DPOConfig)
-    silence_libraries()
-    dist.init(cfg.dist_timeout_s)
-    dist.set_seed(cfg.seed)
+    cfg = start_program(DPOConfig)
 
     # 1. Check the input model and the output directory before loading anything big.
     check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "actor"), role="--model_name_or_path")
@@ -106,35 +102,19 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
 
     # 2. Data: phase 2's share of each source (the reward model's share), as chosen/rejected pairs.
-    train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=2, need="pairs", data_split=cfg.data_split,
-                                                     seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
-                                                     max_eval=cfg.max_eval_samples)
-    train_set, train_report = tokenize_pairs(train_rows, tokenizer, cfg.max_seq_len)
-    eval_set, _ = tokenize_pairs(eval_rows, tokenizer, cfg.max_seq_len)
-    for s in sources:
-        dist.print_rank0(s.summary())
-    dist.print_rank0(f"train: {train_report.summary()}\neval: {len(eval_set)} pairs")
+    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
 
     def collate(rows):
         return collate_pairs(rows, tokenizer.pad_token_id)
 
     # 3. The policy as a DeepSpeed training engine (LoRA optional).
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed, lengths=[
-        max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"])) for f in train_set] if cfg.group_by_length else None)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed,
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
+    engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id)
     load = dict(dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
                 pad_token_id=tokenizer.pad_token_id)
-    model = load_model(cfg.model_name_or_path, "causal_lm", dropout=cfg.dropout,
-                       zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload), **load)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora)
-    engine = build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
-                          learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                          betas=(cfg.adam_beta1, cfg.adam_beta2), gradient_clipping=cfg.gradient_clipping,
-                          lr_scheduler_type=cfg.lr_scheduler_type, num_warmup_steps=cfg.num_warmup_steps,
-                          total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)
 
     # 4. The reference: the same directory loaded again, frozen, as an inference engine in eval mode
     #    (sharded under ZeRO-3, parameters in CPU memory with --offload_reference_model).

@@ -21,15 +21,15 @@ from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import pairwise_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import (  # noqa: E402
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, parse_config, require,
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, require,
 )
-from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs  # noqa: E402
-from rlhfkit.ds_config import init_config  # noqa: E402
+from rlhfkit.data import collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
-from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
+from rlhfkit.models import load_tokenizer, sequence_scores  # noqa: E402
+from rlhfkit.rewards import score_pairs  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
-    batch_plan, build_engine, count_steps, eval_batches, fit, make_run_state, print_summary, run_main, silence_libraries, train_loader,
+    batch_plan, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary, run_main,
+    start_program, train_loader, trainable_engine,
 )
 
 
@@ -47,10 +47,7 @@ class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogA
 
 
 def main() -> None:
-    cfg = parse_config(RewardConfig)
-    silence_libraries()
-    dist.init(cfg.dist_timeout_s)
-    dist.set_seed(cfg.seed)
+    cfg = start_program(RewardConfig)
 
     # 1. Check the input model and the output directory before loading anything big.
     check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "reward"), role="--model_name_or_path")
@@ -58,35 +55,17 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
 
     # 2. Data: this step's share of each source as (chosen, rejected) pairs that still differ after truncation.
-    train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=2, need="pairs", data_split=cfg.data_split,
-                                                     seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
-                                                     max_eval=cfg.max_eval_samples)
-    train_set, train_report = tokenize_pairs(train_rows, tokenizer, cfg.max_seq_len)
-    eval_set, eval_report = tokenize_pairs(eval_rows, tokenizer, cfg.max_seq_len)
-    for s in sources:
-        dist.print_rank0(s.summary())
-    dist.print_rank0(f"train: {train_report.summary()}\neval: {eval_report.summary()}")
+    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
 
     def collate(rows):
         return collate_pairs(rows, tokenizer.pad_token_id)
 
     # 3. The reward model (a one-label sequence classifier; fresh score head) and its engine.
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed, lengths=[
-        max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"])) for f in train_set] if cfg.group_by_length else None)
+    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed,
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
-    model = load_model(cfg.model_name_or_path, "reward", dtype=cfg.dtype, dropout=cfg.dropout,
-                       zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
-                       trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
-                       pad_token_id=tokenizer.pad_token_id)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora, task_type="SEQ_CLS")
-    engine = build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
-                          learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                          betas=(cfg.adam_beta1, cfg.adam_beta2), gradient_clipping=cfg.gradient_clipping,
-                          lr_scheduler_type=cfg.lr_scheduler_type, num_warmup_steps=cfg.num_warmup_steps,
-                          total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)
+    engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
     dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")

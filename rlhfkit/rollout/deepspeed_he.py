@@ -20,7 +20,6 @@ from rlhfkit.rollout.base import (
     GenerationConfig,
     PromptBatch,
     RolloutBatch,
-    empty_rollout,
     hf_model_of,
     is_peft_model,
     isolated_generation_config,

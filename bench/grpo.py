@@ -1,0 +1,69 @@
+"""GRPO step throughput on one rank, for comparison with TRL's GRPOTrainer on this machine type.
+
+    python bench/grpo.py --model BASE_OR_SFT_DIR [--steps 4] [--out bench_grpo.json]
+
+Settings of the reference (TRL GRPOTrainer: one process, 2 threads, bf16, SmolLM2-135M, GSM8K
+prompts, 1 prompt x 4 samples a step, 64 new tokens): ~11.7 s a step, 0.34 completions/s. Runs
+step3_ppo/main.py for real with --algo grpo --reward_fn gsm8k on ../shared/data/gsm8k, every
+completion forced to 64 tokens (--min_new_tokens 64: at least the reference's work), and reports the
+steady-state seconds per step and completions/s (first step left out). A figure, never an assertion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K = REPO / ".." / "shared" / "data" / "gsm8k" / "test_first1000.jsonl"
+TRL = {"step_s": 11.7, "completions_per_s": 0.34}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", default=str(GSM8K))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench_grpo.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 2), "PYTHONUNBUFFERED": "1"}
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
+               str(REPO / "step3_ppo/main.py"), "--algo", "grpo", "--reward_fn", "gsm8k", "--actor_model_name_or_path", args.model,
+               "--data_path", args.data, "--data_split", "0,0,1", "--n_samples_per_prompt", str(args.samples),
+               "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", str(args.samples),
+               "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.new_tokens), "--min_new_tokens", str(args.new_tokens),
+               "--dtype", "bf16", "--actor_zero_stage", "0", "--max_steps", str(args.steps), "--eval_fraction", "0.001",
+               "--max_eval_samples", "1", "--output_dir", os.path.join(work, "grpo"), "--progress_bar", "false"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        rows = [json.loads(x) for x in open(os.path.join(work, "grpo", "logs", "metrics.jsonl")) if "time/step_s" in x]
+    timed = rows[1:] or rows
+    step_s = sum(r["time/step_s"] for r in timed) / len(timed)
+    split = {k: sum(r[f"time/{k}_s"] for r in timed) / len(timed) for k in ("generation", "experience", "training")}
+    result = {"step_s": step_s, "completions_per_s": args.samples / step_s, "split_s": split, "steps_timed": len(timed),
+              "reward_mean": [r["reward/score_mean"] for r in rows]}
+    print(f"\nGRPO, one rank, {os.cpu_count()} threads, bf16, 1 prompt x {args.samples} samples, {args.new_tokens} new tokens")
+    print(f"{'':<12}{'s/step':>8}{'completions/s':>15}   split (gen / exp / train s)")
+    print(f"{'rlhfkit':<12}{step_s:>8.2f}{result['completions_per_s']:>15.3f}   "
+          f"{split['generation']:.2f} / {split['experience']:.2f} / {split['training']:.2f}")
+    print(f"{'TRL (ref.)':<12}{TRL['step_s']:>8.2f}{TRL['completions_per_s']:>15.3f}")
+    print(f"rlhfkit / TRL completions/s: {result['completions_per_s'] / TRL['completions_per_s']:.2f}x (target >= 2x)")
+    with open(args.out, "w") as f:
+        json.dump({"rlhfkit": result, "trl_reference": TRL}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
