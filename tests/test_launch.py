@@ -258,10 +258,10 @@ def test_pipeline_presets_and_errors(launch_env, tmp_path):
     out = launch_env("launch/pipeline.sh", "--out", str(tmp_path / "s"), "--data", "x.jsonl").stdout
     _, s1, s2, s3 = commands(out)
     flag = lambda cmd, f: cmd[cmd.index(f) + 1]  # noqa: E731
-    assert [flag(s1, f) for f in ("--max_steps", "--per_device_train_batch_size", "--max_seq_len")] == ["60", "4", "256"]
-    assert flag(s2, "--max_steps") == "60"
+    assert [flag(s1, f) for f in ("--max_steps", "--per_device_train_batch_size", "--max_seq_len")] == ["40", "4", "256"]
+    assert [flag(s2, f) for f in ("--max_steps", "--per_device_train_batch_size")] == ["40", "2"]
     assert [flag(s3, f) for f in ("--max_steps", "--per_device_generation_batch_size", "--max_prompt_seq_len",
-                                  "--max_answer_seq_len")] == ["15", "2", "128", "64"]
+                                  "--max_answer_seq_len")] == ["12", "2", "128", "64"]
     assert flag(s3, "--data_path") == "x.jsonl"
     _, s1, _, _ = commands(launch_env("launch/pipeline.sh", "--out", str(tmp_path / "f"), "--size", "full").stdout)
     assert "--max_steps" not in s1
