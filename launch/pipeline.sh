@@ -26,17 +26,21 @@ preset() {
       SFT_STEPS=4   SFT_MICRO=2  SFT_ACCUM=1  SFT_SEQ=128
       RM_STEPS=4    RM_MICRO=2   RM_ACCUM=1   RM_SEQ=128
       PPO_STEPS=2   PPO_PROMPTS=2  PPO_PROMPT_SEQ=64   PPO_ANSWER_SEQ=32
+      SFT_LR=2e-5   RM_LR=2e-5   ACTOR_LR=1e-5  CRITIC_LR=1e-5
       EVAL=8 ;;
     small)  # default: ~30 min with SmolLM2-135M on a 2-core CPU, 2 ranks (measured: ~8.5 s per SFT step
             # of 4x2 rows at 256 tokens, ~8 s per reward step of 2x2 pairs)
       SFT_STEPS=40  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
       RM_STEPS=40   RM_MICRO=2   RM_ACCUM=1   RM_SEQ=256
       PPO_STEPS=12  PPO_PROMPTS=2  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
+      # few steps: rates high enough to move bf16 weights (1e-6 x 12 steps is below bf16 resolution)
+      SFT_LR=2e-5   RM_LR=2e-5   ACTOR_LR=1e-5  CRITIC_LR=1e-5
       EVAL=32 ;;
     full)   # one epoch of each share at DeepSpeed-Chat-like sizes (GPUs)
       SFT_STEPS=""  SFT_MICRO=8  SFT_ACCUM=1  SFT_SEQ=512
       RM_STEPS=""   RM_MICRO=8   RM_ACCUM=1   RM_SEQ=512
       PPO_STEPS=""  PPO_PROMPTS=8  PPO_PROMPT_SEQ=256  PPO_ANSWER_SEQ=256
+      SFT_LR=""     RM_LR=""     ACTOR_LR=""    CRITIC_LR=""
       EVAL="" ;;
     *) rk_die "--size $1: use tiny, small or full" ;;
   esac
@@ -88,21 +92,21 @@ if [ -z "$MODEL" ]; then
 fi
 
 # 1. SFT on prompt + chosen.
-mapfile -t A < <(opt --max_steps "$SFT_STEPS"; opt --max_eval_samples "$EVAL")
+mapfile -t A < <(opt --max_steps "$SFT_STEPS"; opt --max_eval_samples "$EVAL"; opt --learning_rate "$SFT_LR")
 stage "step 1 (SFT)" "$RUN/step1" step1_sft.sh \
   --model "$MODEL" --data "${DATA[@]}" --output "$RUN/step1" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
   --data_split "$DATA_SPLIT" --per_device_train_batch_size "$SFT_MICRO" --gradient_accumulation_steps "$SFT_ACCUM" \
   --max_seq_len "$SFT_SEQ" "${A[@]}" "${STEP1_EXTRA[@]}"
 
 # 2. Reward model on chosen vs rejected.
-mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$EVAL")
+mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$EVAL"; opt --learning_rate "$RM_LR")
 stage "step 2 (reward model)" "$RUN/step2" step2_reward.sh \
   --model "$RUN/step1" --data "${DATA[@]}" --output "$RUN/step2" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
   --data_split "$DATA_SPLIT" --per_device_train_batch_size "$RM_MICRO" --gradient_accumulation_steps "$RM_ACCUM" \
   --max_seq_len "$RM_SEQ" "${A[@]}" "${STEP2_EXTRA[@]}"
 
 # 3. PPO (or --algo ...) on the prompts.
-mapfile -t A < <(opt --max_steps "$PPO_STEPS")
+mapfile -t A < <(opt --max_steps "$PPO_STEPS"; opt --actor_learning_rate "$ACTOR_LR"; opt --critic_learning_rate "$CRITIC_LR")
 stage "step 3 ($ALGO)" "$RUN/step3" step3_ppo.sh \
   --actor "$RUN/step1" --critic "$RUN/step2" --data "${DATA[@]}" --output "$RUN/step3" --algo "$ALGO" \
   --actor_zero_stage "$ZERO_STAGE" --critic_zero_stage "$ZERO_STAGE" --dtype "$DTYPE" --data_split "$DATA_SPLIT" \
