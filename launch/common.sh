@@ -302,3 +302,25 @@ rk_prepare_base() {
     rk_exec "$RK_RLHFKIT" prepare-base --out "$dir"
   fi
 }
+
+# The options and the launch shared by the supervised stages (step 1, step 2, DPO):
+#   rk_supervised_options "$@"   --model --data --output --zero_stage --dtype --run_dir, the rest passes through
+#   rk_run_supervised SCRIPT     run SCRIPT with the DeepSpeed-Chat flag names
+rk_supervised_options() {
+  rk_option model ""
+  rk_option data "$RK_DEFAULT_DATA" list
+  rk_option output ""
+  rk_option zero_stage 3
+  rk_option dtype bf16
+  rk_option run_dir "$RK_DEFAULT_RUN_DIR"
+  rk_parse "$@"
+}
+rk_run_supervised() {
+  run_stage "$1" \
+    --model_name_or_path "$MODEL" \
+    --data_path "${DATA[@]}" \
+    --output_dir "$OUTPUT" \
+    --zero_stage "$ZERO_STAGE" \
+    --dtype "$DTYPE" \
+    "${RK_PASSTHROUGH[@]}"
+}

@@ -15,23 +15,11 @@
 # Launcher settings (NUM_GPUS, HOSTFILE, NO_SSH, MASTER_PORT, DRY_RUN, ...): see launch/common.sh.
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-rk_option model ""
-rk_option data "$RK_DEFAULT_DATA" list
-rk_option output ""
-rk_option zero_stage 3
-rk_option dtype bf16
-rk_option run_dir "$RK_DEFAULT_RUN_DIR"
-rk_parse "$@"
+rk_supervised_options "$@"
 
 OUTPUT=${OUTPUT:-$RUN_DIR/step1}
 if [ -z "$MODEL" ]; then
   MODEL=$RUN_DIR/base
   rk_prepare_base "$MODEL"
 fi
-run_stage step1_sft/main.py \
-  --model_name_or_path "$MODEL" \
-  --data_path "${DATA[@]}" \
-  --output_dir "$OUTPUT" \
-  --zero_stage "$ZERO_STAGE" \
-  --dtype "$DTYPE" \
-  "${RK_PASSTHROUGH[@]}"
+rk_run_supervised step1_sft/main.py

@@ -13,20 +13,8 @@
 # Launcher settings (NUM_GPUS, HOSTFILE, NO_SSH, MASTER_PORT, DRY_RUN, ...): see launch/common.sh.
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-rk_option model ""
-rk_option data "$RK_DEFAULT_DATA" list
-rk_option output ""
-rk_option zero_stage 3
-rk_option dtype bf16
-rk_option run_dir "$RK_DEFAULT_RUN_DIR"
-rk_parse "$@"
+rk_supervised_options "$@"
 
 MODEL=${MODEL:-$RUN_DIR/step1}
 OUTPUT=${OUTPUT:-$RUN_DIR/step2}
-run_stage step2_reward/main.py \
-  --model_name_or_path "$MODEL" \
-  --data_path "${DATA[@]}" \
-  --output_dir "$OUTPUT" \
-  --zero_stage "$ZERO_STAGE" \
-  --dtype "$DTYPE" \
-  "${RK_PASSTHROUGH[@]}"
+rk_run_supervised step2_reward/main.py
