@@ -38,6 +38,9 @@ class ModelArgs:
     allow_pickle_weights: bool = arg(False, "Allow loading pickled weights (.bin/.pt). Off: only safetensors load.")
     dropout: Optional[float] = arg(None, "Override the model's dropout probabilities (None keeps the model's own).")
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
+    attn_implementation: str = arg(
+        "auto", "Attention kernel of the trained model, passed to transformers (sdpa, eager, flash_attention_2, ...). "
+        "auto: eager on the CPU up to --max_seq_len 512 (its backward is faster there), else the model's default.")
 
 
 @dataclass

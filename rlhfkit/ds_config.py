@@ -4,8 +4,8 @@ No DeepSpeed or torch.distributed calls here, so every rule is unit-testable:
 - batch arithmetic: ``train_batch_size = micro x world x grad_accum``;
 - ZeRO 0-3 with optimizer offload (and parameter offload under ZeRO-3);
 - fp32 / bf16 / fp16 (fp16 with dynamic loss scaling);
-- the optimizer is torch's AdamW passed in by the program (fused kernels on CUDA, the plain one on
-  the CPU accelerator and with offload), never a JIT-compiled DeepSpeed op; ``zero_force_ds_cpu_optimizer``
+- the optimizer is torch's fused AdamW passed in by the program (CUDA and CPU kernels alike), never a
+  JIT-compiled DeepSpeed op; ``zero_force_ds_cpu_optimizer``
   is turned off so ZeRO-Offload accepts it.
 """
 
@@ -54,7 +54,11 @@ def zero_section(stage: int, offload: bool, offload_param: bool | None = None) -
             section["offload_param"] = {"device": "cpu", "pin_memory": True}
         section.update(
             stage3_param_persistence_threshold=1e5,  # DeepSpeed's default: small tensors stay whole
-            stage3_max_live_parameters=3e7,
+            # DeepSpeed's defaults (DeepSpeed-Chat lowers them to 3e7): a parameter gathered in the forward
+            # pass stays gathered for its backward pass when fewer than 1e9 elements are live, instead of
+            # being all-gathered a second time (measured: ~15% of a 2-rank ZeRO-3 SFT step on 135M).
+            stage3_max_live_parameters=1e9,
+            stage3_max_reuse_distance=1e9,
             stage3_prefetch_bucket_size=3e7,
             stage3_gather_16bit_weights_on_model_save=False,
             memory_efficient_linear=False,
@@ -84,7 +88,7 @@ def train_config(
     }
     if gradient_clipping and gradient_clipping > 0:
         cfg["gradient_clipping"] = gradient_clipping
-    # The program passes torch's AdamW (fused on CUDA): no JIT-compiled DeepSpeed op, which fails on
+    # The program passes torch's fused AdamW: no JIT-compiled DeepSpeed op, which fails on
     # some CUDA images (arch strings like "9.0a") and costs minutes on every fresh node.
     cfg["zero_force_ds_cpu_optimizer"] = False
     if hybrid_engine:

@@ -180,7 +180,9 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
     groups = param_groups(model, weight_decay, learning_rate, lora_learning_rate)
     if not groups:
         raise ConfigError("no trainable parameters (check --only_optimize_lora / --lora_dim)")
-    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=on_cuda and not offload)
+    # torch's fused AdamW (one kernel over all tensors) on CUDA and CPU alike: on the CPU it takes
+    # 0.1 s of a 2-rank ZeRO-3 step on 135M where the per-tensor loop took 0.5 s
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=1e-8, fused=True)
 
     def scheduler(opt):
         return get_scheduler(lr_scheduler_type, optimizer=opt, num_warmup_steps=num_warmup_steps,
@@ -537,9 +539,10 @@ def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, 
     """``cfg.model_name_or_path`` loaded as ``kind`` (partitioned while loading under ZeRO-3), with
     gradient checkpointing and LoRA as configured, wrapped in a DeepSpeed training engine."""
     from rlhfkit.ds_config import init_config
-    from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model
+    from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, train_attention
 
     model = load_model(cfg.model_name_or_path, kind, dtype=cfg.dtype, dropout=cfg.dropout,
+                       attn_implementation=train_attention(cfg.attn_implementation, cfg.max_seq_len, dist.on_cuda()),
                        zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights, pad_token_id=pad_token_id)
     if cfg.gradient_checkpointing:

@@ -8,6 +8,7 @@ from rlhfkit.models.loading import (
     load_tokenizer,
     plain_init,
     torch_dtype,
+    train_attention,
 )
 from rlhfkit.models.lora import apply_lora, is_peft, param_groups
 from rlhfkit.models.value import position_ids, score_head, sequence_scores, token_values
@@ -15,5 +16,5 @@ from rlhfkit.models.value import position_ids, score_head, sequence_scores, toke
 __all__ = [
     "apply_lora", "check_weights_policy", "enable_gradient_checkpointing", "ensure_distinct_pad", "is_peft",
     "load_model", "load_tokenizer", "param_groups", "plain_init", "position_ids", "score_head", "sequence_scores",
-    "token_values", "torch_dtype",
+    "token_values", "torch_dtype", "train_attention",
 ]
