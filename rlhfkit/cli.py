@@ -1,4 +1,4 @@
-"""`rlhfkit` command line: prepare-base, chat, report (and, as they land, score, eval).
+"""`rlhfkit` command line: prepare-base, chat, score, eval, report.
 
 Each command has an ``add_<name>_parser(sub)`` that declares its flags and sets ``func``; the
 command bodies import their modules lazily so ``rlhfkit --help`` stays fast. A new command is one
@@ -64,6 +64,27 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped inside the directory to run")
     p.add_argument("--allow_pickle_weights", action="store_true", help="allow pickled .bin/.pt weights (they can run code)")
     p.set_defaults(func=cmd_chat)
+
+
+# ----------------------------------------------------------------------------------------------
+# score
+
+
+def cmd_score(args: argparse.Namespace) -> None:
+    from rlhfkit.scoring import run
+
+    run(args)
+
+
+def add_score_parser(sub: argparse._SubParsersAction) -> None:
+    from rlhfkit.scoring import DESCRIPTION, add_arguments
+
+    p = sub.add_parser(
+        "score", help="score pairs (accuracy, mean scores, margin) or single responses with a reward model",
+        description=DESCRIPTION + " Without --data_path: the training run's held-out pairs, re-created from the model's "
+                                  "manifest. Same program as python step2_reward/evaluate.py.")
+    add_arguments(p)
+    p.set_defaults(func=cmd_score)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,6 +156,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
+    add_score_parser,
     add_report_parser,
     add_eval_parser,
 ]

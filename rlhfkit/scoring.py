@@ -1,4 +1,5 @@
-"""Evaluate or use a reward model in one process (no DeepSpeed): also `rlhfkit score`.
+"""Evaluate or use a reward model in one process (no DeepSpeed): `rlhfkit score`, also
+`python step2_reward/evaluate.py` with the same flags.
 
 Pairs (any supported format):
     python step2_reward/evaluate.py --model out/step2 --data_path pairs.jsonl [--split all|heldout] [--out scores.jsonl]
@@ -14,24 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
+from rlhfkit.errors import ConfigError, DataError
 
-import torch  # noqa: E402
+# torch, transformers and the rest are imported where used, so `rlhfkit --help` stays fast
 
-from rlhfkit.checkpoint import check_model_dir  # noqa: E402
-from rlhfkit.data import collate_pairs, encode_prompt, encode_response, load_phase_data, tokenize_pairs  # noqa: E402
-from rlhfkit.errors import ConfigError, DataError  # noqa: E402
-from rlhfkit.models import load_model, load_tokenizer, sequence_scores  # noqa: E402
-from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
-from rlhfkit.training import eval_batches, run_main  # noqa: E402
+DESCRIPTION = "Score pairs or responses with a reward model (step 2 output)."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Score pairs or responses with a reward model (step 2 output).")
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="reward model directory (step 2 output)")
     p.add_argument("--data_path", nargs="+", default=None, help="pairs file(s) in any supported format")
     p.add_argument("--split", choices=["all", "heldout"], default=None,
@@ -48,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_parser() -> argparse.ArgumentParser:
+    return add_arguments(argparse.ArgumentParser(description=DESCRIPTION))
+
+
 def load_reward_model(path: str, dtype: Optional[str], trust_remote_code: bool = False, allow_pickle: bool = False):
+    from rlhfkit.checkpoint import check_model_dir
+    from rlhfkit.models import load_model, load_tokenizer
+
     manifest = check_model_dir(path, expect=("reward", "critic"), role="--model")
     tokenizer = load_tokenizer(path, trust_remote_code)
     dtype = dtype or manifest.get("dtype") or "fp32"
@@ -59,7 +59,10 @@ def load_reward_model(path: str, dtype: Optional[str], trust_remote_code: bool =
 
 def score_responses(model, tokenizer, rows: list[dict], batch_size: int) -> list[float]:
     """Scores of (prompt, response) rows: prompt through the chat template, response + EOS."""
-    from rlhfkit.data import collate_sft
+    import torch
+
+    from rlhfkit.data import collate_sft, encode_prompt, encode_response
+    from rlhfkit.models import sequence_scores
 
     feats = [{"input_ids": encode_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}]) + encode_response(tokenizer, r["response"]),
               "labels": []} for r in rows]
@@ -74,7 +77,15 @@ def score_responses(model, tokenizer, rows: list[dict], batch_size: int) -> list
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
+    run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs
+    from rlhfkit.models import sequence_scores
+    from rlhfkit.rewards import pair_metrics, score_pairs
+    from rlhfkit.training import eval_batches
+
     model, tokenizer, manifest = load_reward_model(args.model, args.dtype, args.trust_remote_code, args.allow_pickle_weights)
     train_cfg = manifest.get("config", {})
 
@@ -119,7 +130,3 @@ def main(argv: Optional[list[str]] = None) -> None:
         with open(args.out, "w", encoding="utf-8") as f:
             for c, r in zip(chosen.tolist(), rejected.tolist()):
                 f.write(json.dumps({"chosen_score": c, "rejected_score": r, "margin": c - r}) + "\n")
-
-
-if __name__ == "__main__":
-    run_main(main)

@@ -92,8 +92,11 @@ def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, 
     assert ev.returncode == 0, ev.stderr[-2000:]
     acc = float(re.search(r"accuracy (\S+)", ev.stdout).group(1))
     assert acc == pytest.approx(final["eval/accuracy"], abs=1e-9) and f"pairs {final['eval/pairs']} " in ev.stdout
-    # single responses
-    ev = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(out), "--prompt", "Question 1: is this good?",
+    # the same through `rlhfkit score`, then single responses
+    ev = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(out)], capture_output=True, text=True,
+                        cwd=str(__import__("testutils").REPO))
+    assert ev.returncode == 0 and float(re.search(r"accuracy (\S+)", ev.stdout).group(1)) == acc, ev.stdout + ev.stderr[-2000:]
+    ev = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(out), "--prompt", "Question 1: is this good?",
                          "--response", "Yes, wonderful and helpful answer 1."], capture_output=True, text=True,
                         cwd=str(__import__("testutils").REPO))
     assert ev.returncode == 0 and re.match(r"-?\d+\.\d{4}\t", ev.stdout), ev.stdout + ev.stderr[-2000:]
@@ -105,6 +108,6 @@ def test_reward_refuses_a_reward_dir_for_scoring_wrong_stage(tiny_dir, tmp_path)
 
     shutil.copytree(tiny_dir, d)
     (d / "rlhfkit.json").write_text(json.dumps({"stage": "sft", "files": {}}))
-    proc = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(d), "--prompt", "a", "--response", "b"],
+    proc = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(d), "--prompt", "a", "--response", "b"],
                           capture_output=True, text=True, cwd=str(__import__("testutils").REPO))
     assert proc.returncode == 2 and "is a 'sft' checkpoint, but --model expects 'reward' or 'critic'" in proc.stderr
