@@ -128,3 +128,43 @@ def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
     (other / "rlhfkit.json").write_text(json.dumps(m))
     proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, other, data / "pairs.jsonl", tmp_path / "z"), nprocs=0, check=False)
     assert proc.returncode == 2 and "tokenizer mismatch" in proc.stderr and "Traceback" not in proc.stderr
+
+
+REWARD_MODULE = '''
+"""Controlled rewards for the dynamic-sampling test: training rounds (one prompt, its G samples)
+listed in RK_FLAT_ROUNDS get the same reward for every sample (a uniform group, no signal); the
+others get 0, 1, 0, 1, ... (an informative group). Evaluation batches get zeros."""
+import os
+
+ROUND = [0]
+
+
+def reward(prompts, responses, rows):
+    if len(prompts) < 2 or len(set(prompts)) != 1:  # evaluation: distinct prompts, one sample each
+        return [0.0] * len(prompts)
+    ROUND[0] += 1
+    flat = {int(x) for x in os.environ["RK_FLAT_ROUNDS"].split(",")}
+    return [3.0] * len(prompts) if ROUND[0] in flat else [float(i % 2) for i in range(len(prompts))]
+'''
+
+
+def test_dynamic_sampling_fills_the_batch_then_gives_up_after_max_rounds(tiny_dir, data, tmp_path):
+    """DAPO dynamic sampling with controlled rewards. Step 1: round 1 is uniform and dropped, round 2
+    fills the batch (2 rounds, trained on a full batch). Step 2: rounds 3-5 are all uniform, so after
+    --max_sampling_rounds 3 the step is skipped and reported."""
+    (tmp_path / "controlled_reward.py").write_text(REWARD_MODULE)
+    out = tmp_path / "dapo"
+    args = ["--algo", "dapo", "--dynamic_sampling", "--max_sampling_rounds", "3", "--actor_model_name_or_path", str(tiny_dir),
+            "--reward_fn", "controlled_reward:reward", "--data_path", str(data / "math.jsonl"), "--output_dir", str(out),
+            "--data_split", "0,0,1", "--eval_fraction", "0.2", "--max_eval_samples", "2", "--max_prompt_seq_len", "48",
+            "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "1", "--n_samples_per_prompt", "2",
+            "--per_device_training_batch_size", "2", "--max_steps", "2", "--dtype", "fp32", "--progress_bar", "false"]
+    from testutils import REPO
+
+    run_program("step3_ppo/main.py", args, nprocs=0,
+                env_extra={"RK_FLAT_ROUNDS": "1,3,4,5", "PYTHONPATH": f"{tmp_path}:{REPO}"})
+    steps = {r["step"]: r for r in read_metrics(out) if "sampling/rounds" in r}
+    assert steps[1]["sampling/rounds"] == 2 and "policy/loss" in steps[1] and "sampling/skipped_step" not in steps[1]
+    assert steps[1]["reward/score_mean"] == pytest.approx(0.5)  # trained on the informative group only: rewards 0 and 1
+    assert steps[1]["reward/score_std"] == pytest.approx(2 ** -0.5)
+    assert steps[2]["sampling/rounds"] == 3 and steps[2]["sampling/skipped_step"] == 1 and "policy/loss" not in steps[2]
