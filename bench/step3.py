@@ -32,8 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(backend: str, args, work: str) -> dict:
-    out = os.path.join(work, backend)
+VARIANTS = {  # name -> (rollout backend, extra flags)
+    "hf": ("hf", []),
+    "hf-synced": ("hf-synced", []),
+    "hf-engine-experience": ("hf", ["--experience_on_copies", "false"]),
+}
+
+
+def run(name: str, args, work: str) -> dict:
+    backend, extra = VARIANTS[name]
+    out = os.path.join(work, name)
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2)), "PYTHONUNBUFFERED": "1"}
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            str(REPO / "step3_ppo/main.py"), "--actor_model_name_or_path", args.actor, "--critic_model_name_or_path", args.critic,
@@ -41,14 +49,14 @@ def run(backend: str, args, work: str) -> dict:
            "--critic_zero_stage", "3", "--dtype", "bf16", "--max_prompt_seq_len", "128", "--max_answer_seq_len", str(args.answer),
            "--min_new_tokens", str(args.answer), "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2",
            "--max_steps", str(args.steps), "--eval_fraction", "0.01", "--max_eval_samples", "1",
-           "--progress_bar", "false"]
+           "--progress_bar", "false", *extra]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rows = [json.loads(x) for x in open(os.path.join(out, "logs", "metrics.jsonl")) if "time/step_s" in x]
     timed = rows[1:] or rows
     mean = lambda k: sum(r[k] for r in timed) / len(timed)  # noqa: E731
-    return {"name": backend, "steps_timed": len(timed), "step_s": mean("time/step_s"), "generation_s": mean("time/generation_s"),
+    return {"name": name, "steps_timed": len(timed), "step_s": mean("time/step_s"), "generation_s": mean("time/generation_s"),
             "experience_s": mean("time/experience_s"), "training_s": mean("time/training_s"),
             "samples_per_s": mean("perf/samples_per_s"), "gen_tokens_per_s": mean("perf/gen_tokens_per_s"),
             "peak_gb": max(r["mem/peak_rss_gb"] for r in rows)}
@@ -61,11 +69,13 @@ def main() -> None:
     ap.add_argument("--data", default=str(HH))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--answer", type=int, default=64)
-    ap.add_argument("--backends", default="hf,hf-synced")
+    ap.add_argument("--backends", default="hf,hf-synced",
+                    help=f"comma-separated runs, each one of: {', '.join(VARIANTS)} (hf-engine-experience: step 3's "
+                         "experience passes through the ZeRO-3 engines instead of gathered copies)")
     ap.add_argument("--out", default="bench_step3.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        results = [run(b, args, work) for b in args.backends.split(",")]
+        results = [run(n.strip(), args, work) for n in args.backends.split(",")]
     rows = results + [REFERENCE]
     print(f"\nPPO step, 2 ranks, actor+critic ZeRO-3, bf16, prompt<=128, answer={args.answer}, 2 prompts/rank")
     print(f"{'':<28}{'s/step':>8}{'gen s':>8}{'exp s':>8}{'train s':>9}{'samples/s':>11}{'peak GiB/rank':>15}")

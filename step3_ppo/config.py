@@ -50,7 +50,11 @@ class Step3Generation:
     top_k: int = arg(0, "Top-k sampling for rollouts (0 = off).")
     min_new_tokens: int = arg(0, "EOS suppressed for this many tokens (0: EOS allowed at any step).")
     greedy_rollouts: bool = arg(False, "Greedy decoding for rollouts (tests only; RL needs sampling).")
-    keep_inference_copy: bool = arg(False, "hf backend: keep the gathered inference copy between rollouts (faster, more memory).")
+    keep_inference_copy: bool = arg(False, "Keep the gathered inference copies between steps: the actor's (hf backend) and the "
+                                           "frozen models' (--experience_on_copies); faster, more memory.")
+    experience_on_copies: bool = arg(True, "ZeRO-3 models run the experience forward passes (old/reference logprobs, values, "
+                                           "scores) on a gathered full-weight copy, one model at a time, instead of through "
+                                           "DeepSpeed's per-layer gathers.")
     enable_hybrid_engine: bool = arg(False, "DeepSpeed Hybrid Engine for generation (CUDA only; implies --rollout_backend deepspeed).")
     inference_tp_size: int = arg(1, "Hybrid Engine: inference tensor-parallel size.")
     release_inference_cache: bool = arg(False, "Hybrid Engine: release the inference cache after generation.")

@@ -34,6 +34,7 @@ from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model
 from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
 from rlhfkit.rl import ALGOS, compute_advantages  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
+from rlhfkit.rollout.hf import GatheredCopy  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
     BatchStream, NonFiniteGuard, ParamEMA, batch_plan, crash_point, build_engine, build_frozen_engine, eval_batches, make_run_state,
     param_fingerprint, peak_rss_gb, print_summary, run_main, silence_libraries, to_device, train_loader,
@@ -130,6 +131,22 @@ def main() -> None:
                            total_steps * updates_per_step, pad) if critic_path else None)
     reward_model = load_frozen(reward_path, "reward", cfg, cfg.critic_zero_stage, cfg.offload_reward_model, pad) if reward_path else None
     rollout = make_rollout_engine(cfg.backend, actor, **({"keep_copy": cfg.keep_inference_copy} if cfg.backend == "hf" else {}))
+    # The experience passes need no gradient: ZeRO-3 models run them on a gathered, hook-free copy
+    # (one all-gather per model per step instead of DeepSpeed's per-layer fetch hooks); the frozen
+    # models' copies are gathered once and kept with --keep_inference_copy.
+    views = {name: GatheredCopy(m, keep=cfg.keep_inference_copy, frozen=frozen) if cfg.experience_on_copies else None
+             for name, m, frozen in (("actor", actor, False), ("ref", ref, True), ("critic", critic, False),
+                                     ("reward", reward_model, True)) if m is not None}
+
+    def no_grad_forward(name, engine, fn, *args):
+        """``fn(model, *args)`` with ``model`` the engine's gathered copy (or the engine itself)."""
+        view = views.get(name)
+        if view is None:
+            return fn(engine, *args)
+        try:
+            return fn(view.model(), *args)
+        finally:
+            view.done()
     kl_ctl = (AdaptiveKLController(cfg.kl_ctl, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl else FixedKLController(cfg.kl_ctl))
     ema = ParamEMA(actor.module, cfg.ema_beta) if cfg.enable_ema else None
     gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -147,7 +164,8 @@ def main() -> None:
         """Sequence rewards [B]: the reward model (read at the last real token) and/or reward functions."""
         total = torch.zeros(len(batch), device=dev)
         if reward_model is not None:
-            total += cfg.reward_model_weight * sequence_scores(reward_model, batch.sequences, batch.attention_mask)
+            total += cfg.reward_model_weight * no_grad_forward("reward", reward_model, sequence_scores, batch.sequences,
+                                                               batch.attention_mask)
         if reward_fn is not None:
             prompts = tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
             responses = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
@@ -169,9 +187,10 @@ def main() -> None:
         batch = rollout.generate(PromptBatch(ids, mask), gen_cfg)
         t_gen = time.time() - t0
         P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
-        old_lp, _ = actor_forward(actor, seqs, attn, P, cfg.temperature if gen_cfg.do_sample else 1.0)
-        ref_lp, _ = actor_forward(ref, seqs, attn, P, cfg.temperature if gen_cfg.do_sample else 1.0)
-        values = critic_forward(critic, seqs, attn, P) if critic is not None else None
+        temperature = cfg.temperature if gen_cfg.do_sample else 1.0
+        old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
+        ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature)
+        values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
         raw = score(batch, rows)
         scores = raw.clone()
         if cfg.truncated_reward is not None:

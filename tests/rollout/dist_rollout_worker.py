@@ -319,6 +319,22 @@ def cpu_checks(c: Checker, rank: int, world: int, device, model_dir: str) -> Non
         c.check("zero3.zero_status_untouched", [str(p.ds_status) for p in engine.module.parameters()] == before_status)
         c.check("zero3.generation_config_restored", engine.module.generation_config.temperature == 0.3)
 
+        # step 3's experience passes on a gathered copy give the engine's own logprobs, and the copy is dropped
+        from rlhfkit.experience import actor_forward
+        from rlhfkit.rollout.hf import GatheredCopy
+
+        seqs, attn, plen = expected.sequences, expected.attention_mask, expected.prompt_ids.shape[1]
+        engine.eval()
+        with torch.no_grad():
+            via_engine, _ = actor_forward(engine, seqs, attn, plen)
+            view = GatheredCopy(engine)
+            via_copy, _ = actor_forward(view.model(), seqs, attn, plen)
+            view.done()
+        engine.train()
+        c.check("zero3.experience_on_copy_equals_engine",
+                torch.allclose(via_copy, via_engine, atol=1e-5, rtol=1e-5) and view._copy is None,
+                max_diff=float((via_copy - via_engine).abs().max()))
+
         loss = train_step(engine, expected)
         stepped = full_state(engine.module)
         c.check("zero3.trains", torch.isfinite(torch.tensor(loss))
