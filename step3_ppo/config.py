@@ -37,6 +37,9 @@ class Step3Data:
     max_prompt_seq_len: int = arg(256, "Prompts longer than this are left-truncated at a turn boundary, or dropped (counted).")
     max_answer_seq_len: int = arg(256, "Maximum response tokens; a response without EOS by then is 'truncated'.")
     strict: bool = arg(False, "Fail on the first malformed data row instead of skipping it.")
+    prompt_suffix: Optional[str] = arg(
+        None, "Text appended to the last user turn of every prompt (training and held-out), e.g. for GSM8K: "
+              "\"Let's think step by step and output the final answer after '####'.\"")
     group_by_length: bool = arg(True, "Batch prompts of similar length together (less padding in generation and training).")
     unsupervised_dataset_name: Optional[str] = arg(None, "PTX: a dataset (any supported data path) whose SFT loss is mixed into the actor loss.")
     unsup_coef: float = arg(27.8, "PTX loss coefficient (InstructGPT's gamma).")

@@ -25,13 +25,15 @@ from rlhfkit.algos import (  # noqa: E402
 )
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, check_same_tokenizer, export_model  # noqa: E402
 from rlhfkit.config import config_dict, parse_config  # noqa: E402
-from rlhfkit.data import collate_prompts, collate_sft, load_phase_data, tokenize_prompts, tokenize_sft  # noqa: E402
+from rlhfkit.data import (  # noqa: E402
+    collate_prompts, collate_sft, load_phase_data, tokenize_prompts, tokenize_sft, with_prompt_suffix,
+)
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.experience import Experience, actor_forward, critic_forward  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
-from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
+from rlhfkit.rewards import call_reward_fn, gsm8k_parts, load_reward_fn  # noqa: E402
 from rlhfkit.rl import ALGOS, compute_advantages  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
 from rlhfkit.rollout.hf import GatheredCopy  # noqa: E402
@@ -94,6 +96,8 @@ def main() -> None:
     train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=3, need="prompts", data_split=cfg.data_split,
                                                      seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
                                                      max_eval=cfg.max_eval_samples)
+    if cfg.prompt_suffix:
+        train_rows, eval_rows = with_prompt_suffix(train_rows, cfg.prompt_suffix), with_prompt_suffix(eval_rows, cfg.prompt_suffix)
     train_prompts, prompt_report = tokenize_prompts(train_rows, tokenizer, cfg.max_prompt_seq_len)
     eval_prompts, _ = tokenize_prompts(eval_rows, tokenizer, cfg.max_prompt_seq_len)
     for s in sources:
@@ -160,8 +164,9 @@ def main() -> None:
                      f"({cfg.per_device_generation_batch_size} prompts x {cfg.generation_batches} x {cfg.n_samples_per_prompt}), "
                      f"{updates_per_step} updates/step, rollout backend {cfg.backend}, critic {'yes' if critic else 'no'}")
 
-    def score(batch, rows):
-        """Sequence rewards [B]: the reward model (read at the last real token) and/or reward functions."""
+    def score(batch, rows, parts):
+        """Sequence rewards [B]: the reward model (read at the last real token) and/or reward functions.
+        ``parts`` collects per-sample reward components for the metrics (gsm8k: accuracy, format)."""
         total = torch.zeros(len(batch), device=dev)
         if reward_model is not None:
             total += cfg.reward_model_weight * no_grad_forward("reward", reward_model, sequence_scores, batch.sequences,
@@ -170,12 +175,15 @@ def main() -> None:
             prompts = tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
             responses = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
             extra = {"format_bonus": cfg.format_bonus} if cfg.reward_fn == "gsm8k" else {}
+            if cfg.reward_fn == "gsm8k":
+                for name, values in zip(("gsm8k_accuracy", "gsm8k_format"), gsm8k_parts(responses, rows)):
+                    parts.setdefault(name, []).extend(values)
             total += cfg.reward_fn_weight * torch.tensor(call_reward_fn(cfg.reward_fn, reward_fn, prompts, responses, rows, **extra),
                                                          device=dev)
         return total
 
     @torch.no_grad()
-    def rollout_and_score(prompt_batch, gen_cfg, repeat, source_rows):
+    def rollout_and_score(prompt_batch, gen_cfg, repeat, source_rows, parts):
         """Generate for this rank's prompts (each `repeat` times, kept contiguous: a group stays on one
         rank) and run the experience forward passes. Returns (Experience without advantages, rows)."""
         ids = prompt_batch["input_ids"].to(dev).repeat_interleave(repeat, 0)
@@ -191,7 +199,7 @@ def main() -> None:
         old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
         ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature)
         values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
-        raw = score(batch, rows)
+        raw = score(batch, rows, parts)
         scores = raw.clone()
         if cfg.truncated_reward is not None:
             scores = torch.where(batch.truncated.to(dev), torch.full_like(scores, cfg.truncated_reward), scores)
@@ -210,10 +218,10 @@ def main() -> None:
         """Experience for one step; with --dynamic_sampling, uniform-reward groups are dropped and more
         prompts sampled (every rank runs the same number of rounds; all keep the same sample count)."""
         G, target = cfg.n_samples_per_prompt, cfg.samples_per_rank
-        parts, kept, rounds, t_gen, t_exp = [], 0, 0, 0.0, 0.0
+        parts, kept, rounds, t_gen, t_exp, reward_parts = [], 0, 0, 0.0, 0.0, {}
         max_rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else cfg.generation_batches
         while rounds < max_rounds:
-            exp, te, tg = rollout_and_score(next(prompt_iter), gen, G, train_rows)
+            exp, te, tg = rollout_and_score(next(prompt_iter), gen, G, train_rows, reward_parts)
             rounds, t_gen, t_exp = rounds + 1, t_gen + tg, t_exp + te
             if cfg.dynamic_sampling:
                 groups = exp.scores.view(-1, G)
@@ -230,7 +238,17 @@ def main() -> None:
         n = int(dist.all_reduce_min(torch.tensor([float(min(len(exp), target))], device=dev)).item())
         n -= n % G
         exp = exp.select(torch.arange(n)) if n < len(exp) else exp
-        return exp, rounds, t_gen, t_exp
+        return exp, rounds, t_gen, t_exp, reward_parts
+
+    def part_means(parts, weights=None):
+        """Global means of per-sample reward components (same keys on every rank)."""
+        out = {}
+        for name in sorted(parts):
+            v = torch.tensor(parts[name], dtype=torch.float64)
+            w = torch.ones_like(v) if weights is None else weights.double().cpu()
+            total = dist.all_reduce_sum(torch.stack([(w * v).sum(), w.sum()]))
+            out[name] = total[0].item() / max(total[1].item(), 1e-9)
+        return out
 
     def add_advantages(exp):
         adv = compute_advantages(spec, scores=exp.scores, logprobs=exp.old_logprobs, ref_logprobs=exp.ref_logprobs,
@@ -294,8 +312,10 @@ def main() -> None:
         reference (before training the actor IS the step-1 model, so step 0 is the baseline)."""
         actor.eval()
         sums = torch.zeros(5, dtype=torch.float64)
+        parts, part_weights = {}, []
         for batch, weights in eval_batches(eval_prompts, collate, cfg.per_device_generation_batch_size):
-            exp, _, _ = rollout_and_score(batch, eval_gen, 1, eval_rows)
+            exp, _, _ = rollout_and_score(batch, eval_gen, 1, eval_rows, parts)
+            part_weights.append(weights)
             w = weights.to(dev).double()
             seq_kl = masked_sum(exp.old_logprobs - exp.ref_logprobs, exp.action_mask, dim=-1).double()
             sums += torch.stack([(w * exp.raw_scores.double()).sum(), (w * seq_kl).sum(),
@@ -303,7 +323,8 @@ def main() -> None:
         total = dist.all_reduce_sum(sums)
         n = max(total[4].item(), 1.0)
         return {"reward": total[0].item() / n, "kl_per_seq": total[1].item() / n, "response_len": total[2].item() / n,
-                "truncated_rate": total[3].item() / n, "prompts": int(total[4].item())}
+                "truncated_rate": total[3].item() / n, "prompts": int(total[4].item()),
+                **part_means(parts, torch.cat(part_weights) if part_weights else None)}
 
     # 4. The loop: rollout -> experience -> advantages -> ppo_epochs of updates -> metrics.
     from tqdm import tqdm
@@ -334,9 +355,10 @@ def main() -> None:
     t_start = time.time()
     for step in range(start, total_steps + 1):
         t0 = time.time()
-        exp, rounds, t_gen, t_exp = collect(prompt_iter)
+        exp, rounds, t_gen, t_exp, reward_parts = collect(prompt_iter)
+        part_metrics = {f"reward/{k}": v for k, v in part_means(reward_parts).items()}  # over every sample generated
         if len(exp) == 0:  # dynamic sampling found no informative group on some rank within max rounds
-            logger.log(step, {"sampling/rounds": rounds, "sampling/skipped_step": 1}, write=bar.write)
+            logger.log(step, {"sampling/rounds": rounds, "sampling/skipped_step": 1, **part_metrics}, write=bar.write)
             bar.update(1)
             continue
         add_advantages(exp)
@@ -360,6 +382,7 @@ def main() -> None:
         n_tokens = dist.all_reduce_sum(lengths.sum().double()).item()
         samples_done, tokens_done = samples_done + n_samples, tokens_done + n_tokens
         metrics.update(dist.max_over_ranks({"mem/peak_rss_gb": peak_rss_gb()}, dev))
+        metrics.update(part_metrics)
         metrics.update({"kl/coef": kl_ctl.value, "nonfinite/skipped": guard.total, "sampling/rounds": rounds,
                         "time/generation_s": t_gen, "time/experience_s": t_exp,
                         "time/training_s": t_train, "time/step_s": step_s, "time/generation_share": t_gen / max(step_s, 1e-9),

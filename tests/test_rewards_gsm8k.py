@@ -4,7 +4,7 @@ layer as step 3 reads them (``Example.meta`` is the row the reward function gets
 import pytest
 
 from rlhfkit.data import load_phase_data
-from rlhfkit.rewards.rules import extract_answer, gsm8k_reward, load_reward_fn, reference_answer
+from rlhfkit.rewards.rules import extract_answer, gsm8k_parts, gsm8k_reward, load_reward_fn, reference_answer
 
 
 def rows_of(path, need):
@@ -58,6 +58,9 @@ def test_correct_wrong_unparsable_on_gsm8k(gsm8k):
     # the format bonus only for '#### n' / '\boxed{}' answers
     bonus = gsm8k_reward(["q"] * 3, [responses[0], responses[1], responses[5]], [row] * 3, format_bonus=0.1)
     assert bonus == [1.1, 1.0, 0.1]
+    # the two parts step 3 reports as reward/gsm8k_accuracy and reward/gsm8k_format
+    assert gsm8k_parts(responses, [row] * len(responses)) == ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                                                              [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
 
 
 def test_thousands_separator_rows(gsm8k):

@@ -89,6 +89,9 @@ def test_critic_free_algorithms(tiny_dir, data, tmp_path, algo):
     rows = read_metrics(out)
     step = [r for r in rows if "policy/loss" in r or "sampling/skipped_step" in r][0]
     assert step.get("policy/loss", 0.0) == step.get("policy/loss", 0.0)  # finite when trained
+    # the gsm8k reward's parts are reported per step (over every sample generated) and at evaluation
+    assert 0.0 <= step["reward/gsm8k_accuracy"] <= 1.0 and 0.0 <= step["reward/gsm8k_format"] <= 1.0
+    assert "eval/gsm8k_accuracy" in rows[0] and "eval/gsm8k_format" in rows[0]
     assert (out / "actor" / "rlhfkit.json").exists() and not (out / "critic").exists()  # no critic built
 
 

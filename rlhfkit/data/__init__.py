@@ -8,7 +8,7 @@
 The tokenisation and collation parts import torch / a tokenizer only when used.
 """
 
-from rlhfkit.data.formats import Example, parse_dialogue
+from rlhfkit.data.formats import Example, parse_dialogue, with_prompt_suffix
 from rlhfkit.data.load import SourceReport, load_phase_data
 from rlhfkit.data.sources import FORMATS_HELP, read_source
 from rlhfkit.data.splits import cut_eval, parse_data_split, phase_rows
@@ -35,5 +35,5 @@ __all__ = [
     "Example", "SourceReport", "TokenizeReport", "load_phase_data", "read_source", "parse_dialogue",
     "parse_data_split", "phase_rows", "cut_eval", "encode_prompt", "encode_response",
     "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "collate_sft", "collate_pairs",
-    "collate_prompts", "IGNORE_INDEX", "FORMATS_HELP",
+    "collate_prompts", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",
 ]

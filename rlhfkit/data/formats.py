@@ -35,6 +35,18 @@ class Example:
     meta: dict  # {"source": path, "row": 0-based row} + the row's other fields as they are
 
 
+def with_prompt_suffix(examples: list[Example], suffix: str) -> list[Example]:
+    """The examples with ``suffix`` appended to their last user turn (e.g. an answer-format
+    instruction for GSM8K, as verl's data preparation adds one); the rows (``meta``) are unchanged."""
+    out = []
+    for ex in examples:
+        prompt = [dict(m) for m in ex.prompt]
+        last_user = max(i for i, m in enumerate(prompt) if m["role"] == "user")
+        prompt[last_user]["content"] = prompt[last_user]["content"].rstrip() + " " + suffix.strip()
+        out.append(Example(prompt, ex.chosen, ex.rejected, ex.meta))
+    return out
+
+
 class Skip(Exception):
     """This row cannot be used; ``reason`` is short and countable, ``detail`` is for messages."""
 

@@ -51,18 +51,25 @@ def has_answer_format(text: str) -> bool:
     return bool(re.search(r"####\s*\$?\s*" + _NUMBER, text) or re.search(r"\\boxed\{[^}]*\}", text))
 
 
-def gsm8k_reward(prompts: list, responses: list, rows: list, format_bonus: float = 0.0) -> list:
-    """1 for an exact numeric match of the final answer, else 0; plus ``format_bonus`` when the
-    response states its answer as ``#### n`` or ``\\boxed{n}``."""
-    out = []
+def gsm8k_parts(responses: list, rows: list) -> tuple[list, list]:
+    """Per sample: 1.0 for an exact numeric match of the final answer (else 0.0), and 1.0 when the
+    response states its answer as ``#### n`` or ``\\boxed{n}`` (else 0.0)."""
+    correct, formatted = [], []
     for response, row in zip(responses, rows):
         gold = reference_answer(row)
         if gold is None:
             raise RlhfkitError("the gsm8k reward needs an 'answer' field in each data row (GSM8K or MGSM files)")
         pred = extract_answer(response)
-        r = 1.0 if pred is not None and abs(pred - gold) < 1e-6 else 0.0
-        out.append(r + (format_bonus if has_answer_format(response) else 0.0))
-    return out
+        correct.append(1.0 if pred is not None and abs(pred - gold) < 1e-6 else 0.0)
+        formatted.append(1.0 if has_answer_format(response) else 0.0)
+    return correct, formatted
+
+
+def gsm8k_reward(prompts: list, responses: list, rows: list, format_bonus: float = 0.0) -> list:
+    """1 for an exact numeric match of the final answer, else 0; plus ``format_bonus`` when the
+    response states its answer as ``#### n`` or ``\\boxed{n}``."""
+    correct, formatted = gsm8k_parts(responses, rows)
+    return [c + format_bonus * f for c, f in zip(correct, formatted)]
 
 
 BUILTIN: dict[str, RewardFn] = {"gsm8k": gsm8k_reward}

@@ -173,3 +173,13 @@ def test_end_to_end_real_pairs(shared_data, tokenizer):
     lengths = batch["attention_mask"].sum(1)
     last = batch["input_ids"][torch.arange(2 * B), lengths - 1]
     assert int((last == tokenizer.eos_token_id).sum()) >= 2 * B - 2 * report.response_truncated
+
+
+def test_prompt_suffix_goes_to_the_last_user_turn_only():
+    from rlhfkit.data import Example, with_prompt_suffix
+
+    ex = Example([{"role": "system", "content": "s"}, {"role": "user", "content": "Q1 "}, {"role": "assistant", "content": "a"},
+                  {"role": "user", "content": "Q2  "}], None, None, {"answer": "#### 1", "row": 3})
+    out = with_prompt_suffix([ex], " Output the final answer after '####'.")
+    assert [m["content"] for m in out[0].prompt] == ["s", "Q1 ", "a", "Q2 Output the final answer after '####'."]
+    assert out[0].meta is ex.meta and ex.prompt[-1]["content"] == "Q2  "  # the input is not modified
