@@ -24,11 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.data import load_phase_data, tokenize_sft  # noqa: E402
-from rlhfkit.models import load_tokenizer  # noqa: E402
+from rlhfkit.models import load_model, load_tokenizer  # noqa: E402
 
 
 def dschat_config(micro: int, world: int) -> dict:
@@ -67,8 +66,9 @@ def main() -> None:
     sampler = torch.utils.data.DistributedSampler(torch.utils.data.TensorDataset(ids), seed=1234)
     order = list(sampler)
 
-    with deepspeed.zero.Init(config_dict_or_path=dschat_config(args.micro, dist.world_size())):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    # partitioned while loading, as DeepSpeed-Chat does through transformers' HfDeepSpeedConfig
+    model = load_model(args.model, "causal_lm", dtype="bf16", zero3_ds_config=dschat_config(args.micro, dist.world_size()),
+                       pad_token_id=tok.pad_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), foreach=False)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=dschat_config(args.micro, dist.world_size()))
     engine.train()
