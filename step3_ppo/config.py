@@ -57,7 +57,7 @@ class Step3Generation:
                                            "frozen models' (--experience_on_copies); faster, more memory.")
     experience_on_copies: bool = arg(True, "ZeRO-3 models run the experience forward passes (old/reference logprobs, values, "
                                            "scores) on a gathered full-weight copy, one model at a time, instead of through "
-                                           "DeepSpeed's per-layer gathers.")
+                                           "DeepSpeed's per-layer gathers (models with offloaded parameters keep the engine path).")
     enable_hybrid_engine: bool = arg(False, "DeepSpeed Hybrid Engine for generation (CUDA only; implies --rollout_backend deepspeed).")
     inference_tp_size: int = arg(1, "Hybrid Engine: inference tensor-parallel size.")
     release_inference_cache: bool = arg(False, "Hybrid Engine: release the inference cache after generation.")

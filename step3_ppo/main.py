@@ -137,10 +137,13 @@ def main() -> None:
     rollout = make_rollout_engine(cfg.backend, actor, **({"keep_copy": cfg.keep_inference_copy} if cfg.backend == "hf" else {}))
     # The experience passes need no gradient: ZeRO-3 models run them on a gathered, hook-free copy
     # (one all-gather per model per step instead of DeepSpeed's per-layer fetch hooks); the frozen
-    # models' copies are gathered once and kept with --keep_inference_copy.
-    views = {name: GatheredCopy(m, keep=cfg.keep_inference_copy, frozen=frozen) if cfg.experience_on_copies else None
-             for name, m, frozen in (("actor", actor, False), ("ref", ref, True), ("critic", critic, False),
-                                     ("reward", reward_model, True)) if m is not None}
+    # models' copies are gathered once and kept with --keep_inference_copy. A model whose parameters
+    # are offloaded keeps the engine path: a full copy on the device is what the offload avoids.
+    views = {name: GatheredCopy(m, keep=cfg.keep_inference_copy, frozen=frozen)
+             for name, m, frozen, offloaded in (("actor", actor, False, cfg.offload), ("ref", ref, True, cfg.offload_reference_model),
+                                                ("critic", critic, False, cfg.offload),
+                                                ("reward", reward_model, True, cfg.offload_reward_model))
+             if m is not None and cfg.experience_on_copies and not offloaded}
 
     def no_grad_forward(name, engine, fn, *args):
         """``fn(model, *args)`` with ``model`` the engine's gathered copy (or the engine itself)."""
@@ -151,6 +154,7 @@ def main() -> None:
             return fn(view.model(), *args)
         finally:
             view.done()
+
     kl_ctl = (AdaptiveKLController(cfg.kl_ctl, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl else FixedKLController(cfg.kl_ctl))
     ema = ParamEMA(actor.module, cfg.ema_beta) if cfg.enable_ema else None
     gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,

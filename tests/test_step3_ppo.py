@@ -58,7 +58,9 @@ def weights_changed(before_dir, after_dir):
 def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     out = tmp_path / "ppo"
     proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--actor_zero_stage",
-                                                     str(zero), "--critic_zero_stage", str(zero), "--enable_ema"), nprocs=ranks)
+                                                     str(zero), "--critic_zero_stage", str(zero), "--enable_ema",
+                                                     # ZeRO-3: the offloaded reference keeps the engine path, the rest use copies
+                                                     *(["--offload_reference_model"] if zero == 3 else [])), nprocs=ranks)
     step = [r for r in read_metrics(out) if "policy/loss" in r][0]
     for key in ("policy/loss", "value/loss", "kl/per_token", "reward/score_mean", "policy/entropy", "policy/clip_frac",
                 "time/generation_s", "gen/truncated_rate", "perf/gen_tokens_per_s"):
