@@ -33,7 +33,7 @@ from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.experience import Experience, actor_forward, critic_forward  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
-from rlhfkit.rewards import call_reward_fn, gsm8k_parts, load_reward_fn  # noqa: E402
+from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
 from rlhfkit.rl import ALGOS, compute_advantages  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
 from rlhfkit.rollout.hf import GatheredCopy  # noqa: E402
@@ -178,10 +178,7 @@ def main() -> None:
         if reward_fn is not None:
             prompts = tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
             responses = tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-            extra = {"format_bonus": cfg.format_bonus} if cfg.reward_fn == "gsm8k" else {}
-            if cfg.reward_fn == "gsm8k":
-                for name, values in zip(("gsm8k_accuracy", "gsm8k_format"), gsm8k_parts(responses, rows)):
-                    parts.setdefault(name, []).extend(values)
+            extra = {"format_bonus": cfg.format_bonus, "parts": parts} if cfg.reward_fn == "gsm8k" else {}
             total += cfg.reward_fn_weight * torch.tensor(call_reward_fn(cfg.reward_fn, reward_fn, prompts, responses, rows, **extra),
                                                          device=dev)
         return total

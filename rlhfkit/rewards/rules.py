@@ -65,10 +65,15 @@ def gsm8k_parts(responses: list, rows: list) -> tuple[list, list]:
     return correct, formatted
 
 
-def gsm8k_reward(prompts: list, responses: list, rows: list, format_bonus: float = 0.0) -> list:
+def gsm8k_reward(prompts: list, responses: list, rows: list, format_bonus: float = 0.0,
+                 parts: Optional[dict] = None) -> list:
     """1 for an exact numeric match of the final answer, else 0; plus ``format_bonus`` when the
-    response states its answer as ``#### n`` or ``\\boxed{n}``."""
+    response states its answer as ``#### n`` or ``\\boxed{n}``. With ``parts`` (a dict), the two
+    per-sample components are appended to ``parts["gsm8k_accuracy"]`` and ``parts["gsm8k_format"]``."""
     correct, formatted = gsm8k_parts(responses, rows)
+    if parts is not None:
+        parts.setdefault("gsm8k_accuracy", []).extend(correct)
+        parts.setdefault("gsm8k_format", []).extend(formatted)
     return [c + format_bonus * f for c, f in zip(correct, formatted)]
 
 

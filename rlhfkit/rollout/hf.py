@@ -163,10 +163,6 @@ class HFRolloutEngine:
         """Drop the inference copy (and its memory)."""
         self.copy.release()
 
-    def refresh_copy(self) -> torch.nn.Module:
-        """Build the inference copy if needed and load the actor's current weights into it (collective)."""
-        return self.copy.model()
-
 
 # ---------------------------------------------------------------------------------------------
 # Building the copy.
