@@ -164,6 +164,25 @@ def batch_plan(micro_batch: int, grad_accum: int) -> BatchPlan:
     return BatchPlan(micro_batch=micro_batch, grad_accum=grad_accum, world_size=dist.world_size())
 
 
+def zero3_block_leaves(model: torch.nn.Module) -> list[type]:
+    """Make ZeRO-3 gather, release and reduce each transformer block as one unit (DeepSpeed "leaf
+    modules"; the granularity at which FSDP wraps a model), not each linear layer inside it.
+
+    The blocks are the model's ``_no_split_modules`` (transformers' own list, which its FSDP
+    integration also wraps). Same parameters, same gradients, far fewer hooks and collectives: a
+    2-rank ZeRO-3 step of step 2 on SmolLM2-135M on the CPU went from 5.9 to 4.0 s with identical
+    losses. Returns the classes made leaves (none for a model without the list)."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    names = set()
+    for m in model.modules():  # peft and DeepSpeed wrappers: the list sits on the transformers model
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    if classes:
+        set_z3_leaf_modules(model, classes)
+    return classes
+
+
 def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dtype: str, offload: bool,
                  learning_rate: float, weight_decay: float, betas: tuple[float, float], gradient_clipping: float,
                  lr_scheduler_type: str, num_warmup_steps: int, total_steps: int,
@@ -188,6 +207,10 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         return get_scheduler(lr_scheduler_type, optimizer=opt, num_warmup_steps=num_warmup_steps,
                              num_training_steps=max(total_steps, 1))
 
+    if zero_stage == 3 and hybrid_engine is None:
+        leaves = zero3_block_leaves(model)
+        dist.print_rank0(f"ZeRO-3 gathers each {', '.join(c.__name__ for c in leaves)} as one unit" if leaves else
+                         "ZeRO-3 gathers parameters module by module (the model lists no transformer block classes)")
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
     return engine
 
@@ -201,6 +224,8 @@ def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, 
     model.requires_grad_(False)
     model.eval()
     cfg = eval_config(micro_batch=micro_batch, world_size=dist.world_size(), zero_stage=zero_stage, dtype=dtype, offload=offload)
+    if zero_stage == 3:
+        zero3_block_leaves(model)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.eval()
     return engine
@@ -220,7 +245,7 @@ def count_steps(n_batches_per_epoch: int, grad_accum: int, epochs: int, max_step
 @dataclass
 class LoopResult:
     steps: int = 0
-    samples: int = 0  # training rows seen, all ranks
+    samples: int = 0  # training sequences seen, all ranks
     tokens: int = 0  # real (non-pad) training tokens, all ranks
     seconds: float = 0.0
     evals: list[dict] = field(default_factory=list)  # (step, metrics) of each evaluation
@@ -279,6 +304,7 @@ def fit(
     progress_bar: bool = True,
     run_state: Optional[Any] = None,
     max_nonfinite_steps: int = 10,
+    sequences_per_row: int = 1,
 ) -> LoopResult:
     """Train ``engine`` over ``loader`` for ``total_steps`` optimiser steps (or the epochs).
 
@@ -287,6 +313,8 @@ def fit(
     ``eval_interval`` steps and at the end. With ``run_state`` (:class:`rlhfkit.resume.RunState`) the
     loop resumes from a saved state (same data order: the sampler is reseeded per epoch and the
     batches already trained on are skipped) and saves one every ``save_interval`` steps.
+    ``sequences_per_row``: how many training sequences a batch row holds (2 for a packed pair), for
+    the samples count.
     """
     from tqdm import tqdm
 
@@ -329,7 +357,7 @@ def fit(
             n_micro += 1
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + float(v)
-            res.samples += int(batch["input_ids"].shape[0]) * dist.world_size()
+            res.samples += int(batch["input_ids"].shape[0]) * sequences_per_row * dist.world_size()
             res.tokens += int(dist.all_reduce_sum(batch["attention_mask"].sum().to(torch.float64)).item()) if "attention_mask" in batch else 0
             if n_micro % grad_accum:
                 continue
@@ -535,14 +563,16 @@ def feature_length(f: dict) -> int:
     return max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"]))
 
 
-def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, pad_token_id: int):
+def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, pad_token_id: int,
+                     row_len: Optional[int] = None):
     """``cfg.model_name_or_path`` loaded as ``kind`` (partitioned while loading under ZeRO-3), with
-    gradient checkpointing and LoRA as configured, wrapped in a DeepSpeed training engine."""
+    gradient checkpointing and LoRA as configured, wrapped in a DeepSpeed training engine.
+    ``row_len``: the longest training row (default ``cfg.max_seq_len``), for the attention choice."""
     from rlhfkit.ds_config import init_config
     from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, train_attention
 
     model = load_model(cfg.model_name_or_path, kind, dtype=cfg.dtype, dropout=cfg.dropout,
-                       attn_implementation=train_attention(cfg.attn_implementation, cfg.max_seq_len, dist.on_cuda()),
+                       attn_implementation=train_attention(cfg.attn_implementation, row_len or cfg.max_seq_len, dist.on_cuda()),
                        zero3_ds_config=init_config(zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload),
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights, pad_token_id=pad_token_id)
     if cfg.gradient_checkpointing:

@@ -84,3 +84,18 @@ def test_wrong_stage_is_refused(tiny_dir, memo_data, tmp_path):
     (rm / "rlhfkit.json").write_text(json.dumps({"stage": "reward", "files": {}}))
     proc = run_program("step1_sft/main.py", sft_args(rm, memo_data, tmp_path / "o"), nprocs=0, check=False)
     assert proc.returncode == 2 and "is a 'reward' checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_zero3_block_leaves_train_like_zero2_with_lora_and_checkpointing(tiny_dir, memo_data, tmp_path):
+    """ZeRO-3 gathers each transformer block as one unit (rlhfkit.training.zero3_block_leaves); with
+    LoRA and gradient checkpointing on, 2 ranks ZeRO-3 give the losses of 2 ranks ZeRO-2 (fp32)."""
+    losses = {}
+    for zero in (2, 3):
+        out = tmp_path / f"z{zero}"
+        proc = run_program("step1_sft/main.py", sft_args(tiny_dir, memo_data, out, "--zero_stage", str(zero), "--max_steps", "4",
+                                                         "--lora_dim", "8", "--gradient_checkpointing"), nprocs=2)
+        losses[zero] = metrics(out)[0]
+    assert "LlamaDecoderLayer" in proc.stdout  # the program says which blocks became leaves
+    assert len(losses[3]) == 4 and losses[3] != [losses[3][0]] * 4
+    assert losses[3] == pytest.approx(losses[2], rel=1e-4), losses
