@@ -23,9 +23,10 @@ from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir
 from rlhfkit.config import (  # noqa: E402
     DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, require,
 )
-from rlhfkit.data import collate_pairs, tokenize_pairs  # noqa: E402
+from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import load_tokenizer, sequence_scores  # noqa: E402
+from rlhfkit.errors import ConfigError  # noqa: E402
+from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.rewards import score_pairs  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
     batch_plan, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary, run_main,
@@ -40,10 +41,17 @@ class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogA
 
     learning_rate: float = arg(5e-6, "Peak learning rate.")
     per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
+    pack_pairs: bool = arg(True, "Train on each pair as one row: the shared prompt once, then the chosen and the "
+                                 "rejected response, each attending to the prompt and itself (a 4D attention mask; "
+                                 "same scores and gradients, ~40%% fewer tokens on hh-rlhf). Evaluation always "
+                                 "scores the two sequences apart, as evaluate.py does.")
 
     def validate(self) -> None:
         require(self, "model_name_or_path", "data_path", "output_dir")
         check_common(self)
+        if self.pack_pairs and self.attn_implementation.startswith("flash_attention"):
+            raise ConfigError(f"--pack_pairs needs an attention kernel that takes a 4D mask (eager, sdpa); with "
+                              f"--attn_implementation {self.attn_implementation} pass --pack_pairs false")
 
 
 def main() -> None:
@@ -60,22 +68,29 @@ def main() -> None:
     def collate(rows):
         return collate_pairs(rows, tokenizer.pad_token_id)
 
+    def collate_train(rows):
+        return (collate_packed_pairs if cfg.pack_pairs else collate_pairs)(rows, tokenizer.pad_token_id)
+
     # 3. The reward model (a one-label sequence classifier; fresh score head) and its engine.
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed,
+    loader = train_loader(train_set, collate_train, plan.micro_batch, cfg.seed,
                           lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
-    engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id)
+    engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id,
+                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
     dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
 
     # 4. The loss: chosen and rejected of a pair go through the model in the same forward batch.
     def compute_loss(batch):
-        scores = sequence_scores(engine, batch["input_ids"], batch["attention_mask"])
-        b = scores.shape[0] // 2
-        loss, accuracy = pairwise_loss(scores[:b], scores[b:])
-        return loss, {"loss": loss.item(), "accuracy": float(accuracy), "margin": (scores[:b] - scores[b:]).mean().item()}
+        if cfg.pack_pairs:
+            chosen, rejected = packed_pair_scores(engine, batch)
+        else:
+            scores = sequence_scores(engine, batch["input_ids"], batch["attention_mask"])
+            chosen, rejected = scores.chunk(2)
+        loss, accuracy = pairwise_loss(chosen, rejected)
+        return loss, {"loss": loss.item(), "accuracy": float(accuracy), "margin": (chosen - rejected).mean().item()}
 
     # 5. Evaluation on the held-out pairs: accuracy, mean chosen / rejected score, mean margin.
     def evaluate():
@@ -93,7 +108,8 @@ def main() -> None:
     result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
                  epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
                  log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
-                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps)
+                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps,
+                 sequences_per_row=2 if cfg.pack_pairs else 1)
     first, last = result.evals[0], result.evals[-1]
     metrics = {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
                "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.models import load_model, sequence_scores, token_values
+from rlhfkit.models import load_model, packed_pair_scores, sequence_scores, token_values
 from testutils import run_program
 
 
@@ -45,6 +45,36 @@ def test_score_read_at_last_real_token_any_padding(rm, tokenizer):
     # the score is NOT the one a position later (DeepSpeed-Chat's off-by-one) or at the pad
     values = token_values(rm, right, rmask).detach()
     assert not torch.allclose(values[0, 4], expected[0])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_pairs_score_and_train_like_two_rows(tiny_dir, tokenizer, shared_data, attn):
+    """One packed row per pair (prompt once, then chosen, then rejected) gives the scores, the loss
+    and the gradients of the chosen and rejected rows run apart (fp32, real hh-rlhf pairs)."""
+    from rlhfkit.algos import pairwise_loss
+    from rlhfkit.data import collate_packed_pairs, collate_pairs, load_phase_data, tokenize_pairs
+
+    rows, _, _ = load_phase_data(str(shared_data / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"), 2, "pairs")
+    features, _ = tokenize_pairs(rows[:4], tokenizer, max_seq_len=96)  # some responses cut, lengths differ
+    assert len({len(f["chosen_input_ids"]) + len(f["rejected_input_ids"]) for f in features}) > 1
+    torch.manual_seed(0)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id, attn_implementation=attn)
+    model.score.weight.data.normal_(0, 1.0)
+
+    def loss_and_grads(scores):
+        model.zero_grad()
+        loss, _ = pairwise_loss(*scores)
+        loss.backward()
+        return scores, loss, [p.grad.clone() for p in model.parameters()]
+
+    apart = collate_pairs(features, tokenizer.pad_token_id)
+    flat = sequence_scores(model, apart["input_ids"], apart["attention_mask"])
+    ref_scores, ref_loss, ref_grads = loss_and_grads((flat[:len(features)], flat[len(features):]))
+    scores, loss, grads = loss_and_grads(packed_pair_scores(model, collate_packed_pairs(features, tokenizer.pad_token_id)))
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for g, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)
 
 
 PAIRS = [{"prompt": f"Question {i}: is this good?", "chosen": f"Yes, wonderful and helpful answer {i}.",

@@ -24,7 +24,7 @@ from rlhfkit.data.tokenize import (
 
 
 def __getattr__(name):  # collators need torch; import them on first use
-    if name in ("collate_sft", "collate_pairs", "collate_prompts"):
+    if name in ("collate_sft", "collate_pairs", "collate_packed_pairs", "collate_prompts"):
         from rlhfkit.data import collate
 
         return getattr(collate, name)
@@ -34,6 +34,6 @@ def __getattr__(name):  # collators need torch; import them on first use
 __all__ = [
     "Example", "SourceReport", "TokenizeReport", "load_phase_data", "read_source", "parse_dialogue",
     "parse_data_split", "phase_rows", "cut_eval", "encode_prompt", "encode_response",
-    "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "collate_sft", "collate_pairs",
+    "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "collate_sft", "collate_pairs", "collate_packed_pairs",
     "collate_prompts", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",
 ]

@@ -52,6 +52,44 @@ def collate_pairs(features: Sequence[dict], pad_token_id: int) -> dict[str, torc
     return {"input_ids": input_ids, "attention_mask": attention_mask, "prompt_len": prompt_len}
 
 
+def collate_packed_pairs(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Each pair as ONE row: its shared prompt once, then the chosen response, then the rejected one.
+
+    -> input_ids [B, T] right-padded; attention_mask [B, T] (1 on the real tokens); position_ids
+    [B, T] (the rejected response restarts where the prompt ends); pair_mask [B, T, T] bool (query
+    row may attend to key column: causal, but the rejected response does not see the chosen one and
+    padding sees only itself); chosen_end / rejected_end [B] (the column of each side's last real
+    token, where its score is read: the same token as in a ``collate_pairs`` row).
+
+    A row thus computes exactly what the two rows of ``collate_pairs`` compute, with the prompt's
+    tokens run once (about 40% fewer tokens on hh-rlhf at 256).
+    """
+    _check_pad(pad_token_id)
+    rows, positions, spans = [], [], []
+    for f in features:
+        p = f["prompt_len"]
+        chosen, rejected = f["chosen_input_ids"], f["rejected_input_ids"][p:]
+        if f["rejected_input_ids"][:p] != chosen[:p]:
+            raise ValueError("a pair's chosen and rejected sequences must share their first prompt_len tokens")
+        rows.append(chosen + rejected)
+        positions.append(list(range(len(chosen))) + list(range(p, p + len(rejected))))
+        spans.append((p, len(chosen), len(chosen) + len(rejected)))
+    input_ids, attention_mask = _pad(rows, pad_token_id)
+    pos, _ = _pad(positions, 0)
+    width = input_ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    pair_mask = causal.repeat(len(rows), 1, 1)
+    for row, (p, c_end, n) in enumerate(spans):
+        pair_mask[row, c_end:n, p:c_end] = False  # the rejected response does not see the chosen one
+        pair_mask[row, :, n:] = False  # nobody sees padding ...
+        pair_mask[row, n:, :] = False
+        pair_mask[row, range(n, width), range(n, width)] = True  # ... and a pad sees only itself (no empty softmax row)
+    chosen_end = torch.tensor([c_end - 1 for _, c_end, _ in spans], dtype=torch.long)
+    rejected_end = torch.tensor([n - 1 if n > c_end else p - 1 for p, c_end, n in spans], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": pos, "pair_mask": pair_mask,
+            "chosen_end": chosen_end, "rejected_end": rejected_end}
+
+
 def collate_prompts(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """-> input_ids [B, P] left-padded, attention_mask [B, P], index [B] (into the examples)."""
     _check_pad(pad_token_id)

@@ -36,19 +36,37 @@ def score_head(model: Any) -> torch.nn.Module:
     raise TypeError(f"{type(base).__name__} has no score head (expected a one-label AutoModelForSequenceClassification)")
 
 
-def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The score head's output at every position, [B, T] fp32 (one forward pass through ``model``,
-    a DeepSpeed engine or a plain/peft module; gradients flow when enabled)."""
+def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
+    """One forward pass through ``model`` (a DeepSpeed engine or a plain/peft module; gradients flow
+    when enabled) -> the score head's output at every position, [B, T] fp32."""
     head = score_head(model)
     captured: list[torch.Tensor] = []
     hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False)
+        model(**inputs, use_cache=False)
     finally:
         hook.remove()
     return captured[-1].squeeze(-1).float()
 
 
+def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The score head's output at every position, [B, T] fp32."""
+    return _head_outputs(model, input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids(attention_mask))
+
+
 def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """One score per sequence, [B], read at the last real token."""
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
+
+
+def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [B], rejected [B]) scores of a ``collate_packed_pairs`` batch: one row per pair, its
+    ``pair_mask`` passed to the model as a 4D additive mask (kernels that take one: eager, SDPA)."""
+    dtype = _unwrap(model).get_input_embeddings().weight.dtype
+    blocked = torch.zeros(batch["pair_mask"].shape, dtype=dtype, device=batch["pair_mask"].device)
+    blocked.masked_fill_(~batch["pair_mask"], torch.finfo(dtype).min)
+    values = _head_outputs(model, input_ids=batch["input_ids"], attention_mask=blocked.unsqueeze(1),
+                           position_ids=batch["position_ids"])
+    rows = torch.arange(values.shape[0], device=values.device)
+    return values[rows, batch["chosen_end"]], values[rows, batch["rejected_end"]]

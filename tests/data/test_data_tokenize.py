@@ -13,7 +13,7 @@ from rlhfkit.data import (
 )
 
 torch = pytest.importorskip("torch")
-from rlhfkit.data.collate import collate_pairs, collate_prompts, collate_sft  # noqa: E402
+from rlhfkit.data.collate import collate_packed_pairs, collate_pairs, collate_prompts, collate_sft  # noqa: E402
 
 LONG = " ".join(f"word{i}" for i in range(60))
 
@@ -151,6 +151,29 @@ def test_collate_pairs_chosen_then_rejected():
     assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [1, 2, 0, 0], [4, 6, 7, 8]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
     assert batch["prompt_len"].tolist() == [1, 1, 1, 1]
+
+
+def test_collate_packed_pairs_layout_positions_and_mask():
+    # pair 0: prompt [1], chosen [2, 3], rejected [4]; pair 1: prompt [5, 6], chosen [] (only the prompt), rejected [7]
+    features = [{"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [1, 4], "prompt_len": 1},
+                {"chosen_input_ids": [5, 6], "rejected_input_ids": [5, 6, 7], "prompt_len": 2}]
+    b = collate_packed_pairs(features, pad_token_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 0]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 1], [0, 1, 2, 0]]  # the rejected side restarts after the prompt
+    assert b["chosen_end"].tolist() == [2, 1] and b["rejected_end"].tolist() == [3, 2]
+    T, F = True, False
+    assert b["pair_mask"][0].tolist() == [[T, F, F, F],   # prompt
+                                          [T, T, F, F],   # chosen
+                                          [T, T, T, F],
+                                          [T, F, F, T]]   # rejected: the prompt and itself, not the chosen tokens
+    assert b["pair_mask"][1].tolist() == [[T, F, F, F], [T, T, F, F], [T, T, T, F],
+                                          [F, F, F, T]]   # padding sees only itself
+    # a rejected side cut to nothing is scored at the prompt's last token, as its collate_pairs row would be
+    b = collate_packed_pairs([{"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [1, 2], "prompt_len": 2}], 0)
+    assert b["chosen_end"].tolist() == [2] and b["rejected_end"].tolist() == [1]
+    with pytest.raises(ValueError, match="share their first prompt_len tokens"):
+        collate_packed_pairs([{"chosen_input_ids": [1, 2], "rejected_input_ids": [9, 3], "prompt_len": 1}], 0)
 
 
 def test_collate_prompts_left_pads():
