@@ -24,7 +24,8 @@ class Experience:
     attention_mask: torch.Tensor  # [B, P+A] 0/1
     action_mask: torch.Tensor  # [B, A] float 0/1: the response up to and including EOS
     loss_mask: torch.Tensor  # [B, A] float 0/1: action_mask, minus samples left out of the loss (--mask_truncated)
-    old_logprobs: torch.Tensor  # [B, A] actor logprobs of the sampled tokens at rollout time
+    old_logprobs: Optional[torch.Tensor]  # [B, A] actor logprobs of the sampled tokens at rollout time (None: filled in
+    # by the one training update of the batch, step 3's old_logprobs_from_training)
     ref_logprobs: torch.Tensor  # [B, A] reference logprobs
     values: Optional[torch.Tensor]  # [B, A] critic values V(s_t) at rollout time (None without critic)
     scores: torch.Tensor  # [B] sequence rewards (reward model and/or functions, after shaping)

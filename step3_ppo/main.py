@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import (  # noqa: E402
-    AdaptiveKLController, FixedKLController, clipped_value_loss, kl_loss, masked_mean, masked_sum, overlong_penalty,
+    AdaptiveKLController, FixedKLController, clipped_value_loss, kl_estimate, kl_loss, masked_mean, masked_sum, overlong_penalty,
     ppo_policy_loss, sft_loss,
 )
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, check_same_tokenizer, export_model  # noqa: E402
@@ -112,6 +112,10 @@ def main() -> None:
     steps_per_epoch = max(1, len(loader) // cfg.generation_batches)
     total_steps = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.num_train_epochs)
     updates_per_step = cfg.ppo_epochs * cfg.samples_per_rank // cfg.per_device_training_batch_size
+    # One optimiser update per batch: the policy being trained IS the one that sampled, so the training
+    # forward's own logprobs (detached) are the "old" ones and the experience pass skips the actor (as
+    # TRL and verl do). Not when the KL goes into the reward: the advantages need it before training.
+    old_logprobs_from_training = updates_per_step == 1 and not spec.kl_in_reward
     ptx_iter = None
     if cfg.unsupervised_dataset_name:
         ptx_rows, _, _ = load_phase_data(cfg.unsupervised_dataset_name, phase=1, need="sft", data_split="1,0,0", seed=cfg.seed,
@@ -197,7 +201,9 @@ def main() -> None:
         t_gen = time.time() - t0
         P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
         temperature = cfg.temperature if gen_cfg.do_sample else 1.0
-        old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
+        old_lp = None
+        if not (old_logprobs_from_training and gen_cfg is gen):  # evaluation needs them for its KL
+            old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
         ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature)
         values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
         raw = score(batch, rows, parts)
@@ -252,7 +258,9 @@ def main() -> None:
         return out
 
     def add_advantages(exp):
-        adv = compute_advantages(spec, scores=exp.scores, logprobs=exp.old_logprobs, ref_logprobs=exp.ref_logprobs,
+        # without old logprobs yet (filled in by train_on) the KL estimate is 0 here; only metrics read it
+        logprobs = exp.ref_logprobs if exp.old_logprobs is None else exp.old_logprobs
+        adv = compute_advantages(spec, scores=exp.scores, logprobs=logprobs, ref_logprobs=exp.ref_logprobs,
                                  mask=exp.action_mask, values=exp.values, kl_coef=kl_ctl.value, kl_estimator=cfg.kl_estimator,
                                  clip_reward_value=cfg.clip_reward_value, gamma=cfg.gamma, lam=cfg.lam,
                                  group_size=cfg.n_samples_per_prompt, whiten_advantages=cfg.whiten_advantages,
@@ -269,10 +277,13 @@ def main() -> None:
         low, high = cfg.clip_eps
         gen_rng = torch.Generator().manual_seed(cfg.seed + dist.rank())
         for _ in range(cfg.ppo_epochs):
-            for mb in exp.minibatches(cfg.per_device_training_batch_size, gen_rng):
+            for mb in [exp] if old_logprobs_from_training else exp.minibatches(cfg.per_device_training_batch_size, gen_rng):
                 norm = dist.all_reduce_sum(torch.tensor([mb.loss_mask.sum().item(), float(len(mb))], dtype=torch.float64))
                 n_tok, n_seq = max(norm[0].item(), 1.0) / dist.world_size(), norm[1].item() / dist.world_size()
                 logp, entropy = actor_forward(actor, mb.sequences, mb.attention_mask, mb.prompt_len, cfg.temperature, with_entropy=True)
+                if mb.old_logprobs is None:  # the single update of this batch (old_logprobs_from_training)
+                    mb.old_logprobs = logp.detach()
+                    mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, cfg.kl_estimator) * mb.action_mask
                 pg_loss, pg = ppo_policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, low, high, cfg.loss_agg,
                                               num_tokens=n_tok, num_seqs=n_seq)
                 loss = pg_loss

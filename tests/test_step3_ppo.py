@@ -173,3 +173,26 @@ def test_dynamic_sampling_fills_the_batch_then_gives_up_after_max_rounds(tiny_di
     assert steps[1]["reward/score_mean"] == pytest.approx(0.5)  # trained on the informative group only: rewards 0 and 1
     assert steps[1]["reward/score_std"] == pytest.approx(2 ** -0.5)
     assert steps[2]["sampling/rounds"] == 3 and steps[2]["sampling/skipped_step"] == 1 and "policy/loss" not in steps[2]
+
+
+@pytest.mark.distributed
+def test_one_update_per_batch_takes_old_logprobs_from_the_training_forward(tiny_dir, data, tmp_path):
+    """GRPO with one optimiser update per batch (2 samples, training batch 2, ppo_epochs 1): no actor pass
+    in the experience phase; the update's own detached logprobs are the old ones, so the ratio is exactly
+    1 (nothing clipped, approx KL 0), and the KL to the reference is still measured (> 0 once the actor
+    moved)."""
+    (tmp_path / "controlled_reward.py").write_text(REWARD_MODULE)  # rewards 0, 1, 0, 1: every group informative
+    out = tmp_path / "grpo"
+    args = ["--algo", "grpo", "--actor_model_name_or_path", str(tiny_dir), "--reward_fn", "controlled_reward:reward", "--data_path",
+            str(data / "math.jsonl"), "--output_dir", str(out), "--data_split", "0,0,1", "--eval_fraction", "0.2",
+            "--max_eval_samples", "2", "--max_prompt_seq_len", "48", "--max_answer_seq_len", "6", "--temperature", "1.5",
+            "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", "2", "--n_samples_per_prompt", "2",
+            "--max_steps", "3", "--dtype", "fp32", "--actor_learning_rate", "5e-2", "--progress_bar", "false"]
+    from testutils import REPO
+
+    proc = run_program("step3_ppo/main.py", args, nprocs=0, env_extra={"RK_FLAT_ROUNDS": "0", "PYTHONPATH": f"{tmp_path}:{REPO}"})
+    assert "1 updates/step" in proc.stdout
+    steps = [r for r in read_metrics(out) if "policy/loss" in r]
+    assert len(steps) == 3
+    assert all(r["policy/approx_kl"] == 0.0 and r["policy/clip_frac"] == 0.0 for r in steps), steps
+    assert abs(steps[0]["kl/per_token"]) < 1e-6 and steps[-1]["kl/per_token"] > 1e-6, [r["kl/per_token"] for r in steps]
