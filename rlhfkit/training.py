@@ -186,8 +186,9 @@ def zero3_block_leaves(model: torch.nn.Module) -> list[type]:
 def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dtype: str, offload: bool,
                  learning_rate: float, weight_decay: float, betas: tuple[float, float], gradient_clipping: float,
                  lr_scheduler_type: str, num_warmup_steps: int, total_steps: int,
-                 lora_learning_rate: Optional[float] = None, hybrid_engine: Optional[dict] = None):
-    """Wrap a model in a DeepSpeed training engine with AdamW and a warm-up schedule."""
+                 lora_learning_rate: Optional[float] = None, hybrid_engine: Optional[dict] = None, block_leaves: bool = True):
+    """Wrap a model in a DeepSpeed training engine with AdamW and a warm-up schedule (under ZeRO-3 with
+    ``block_leaves``, each transformer block gathered as one unit: :func:`zero3_block_leaves`)."""
     import deepspeed
     from transformers import get_scheduler
 
@@ -207,7 +208,7 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         return get_scheduler(lr_scheduler_type, optimizer=opt, num_warmup_steps=num_warmup_steps,
                              num_training_steps=max(total_steps, 1))
 
-    if zero_stage == 3 and hybrid_engine is None:
+    if zero_stage == 3 and hybrid_engine is None and block_leaves:
         leaves = zero3_block_leaves(model)
         dist.print_rank0(f"ZeRO-3 gathers each {', '.join(c.__name__ for c in leaves)} as one unit" if leaves else
                          "ZeRO-3 gathers parameters module by module (the model lists no transformer block classes)")
@@ -215,7 +216,8 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
     return engine
 
 
-def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, offload: bool, micro_batch: int):
+def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, offload: bool, micro_batch: int,
+                        block_leaves: bool = True):
     """A frozen model (reference, reward) as a DeepSpeed inference engine: ZeRO-3 shards it."""
     import deepspeed
 
@@ -224,7 +226,7 @@ def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, 
     model.requires_grad_(False)
     model.eval()
     cfg = eval_config(micro_batch=micro_batch, world_size=dist.world_size(), zero_stage=zero_stage, dtype=dtype, offload=offload)
-    if zero_stage == 3:
+    if zero_stage == 3 and block_leaves:
         zero3_block_leaves(model)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.eval()
@@ -582,4 +584,5 @@ def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, 
     return build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
                         learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                         gradient_clipping=cfg.gradient_clipping, lr_scheduler_type=cfg.lr_scheduler_type,
-                        num_warmup_steps=cfg.num_warmup_steps, total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate)
+                        num_warmup_steps=cfg.num_warmup_steps, total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate,
+                        block_leaves=cfg.zero3_block_leaves)

@@ -10,6 +10,7 @@ mini-batch updates of actor and critic -> metrics. Writes actor/ and critic/ (an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -57,7 +58,8 @@ def load_trained(path, kind, cfg, zero_stage, dropout, gradient_checkpointing, l
     return build_engine(model, plan=batch_plan(cfg.per_device_training_batch_size, 1), zero_stage=zero_stage, dtype=cfg.dtype,
                         offload=cfg.offload, learning_rate=lr, weight_decay=weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                         gradient_clipping=cfg.gradient_clipping, lr_scheduler_type=cfg.lr_scheduler_type,
-                        num_warmup_steps=cfg.num_warmup_steps, total_steps=total_updates, hybrid_engine=hybrid_engine)
+                        num_warmup_steps=cfg.num_warmup_steps, total_steps=total_updates, hybrid_engine=hybrid_engine,
+                        block_leaves=cfg.zero3_block_leaves)
 
 
 def load_frozen(path, kind, cfg, zero_stage, offload, pad_id):
@@ -66,7 +68,7 @@ def load_frozen(path, kind, cfg, zero_stage, offload, pad_id):
                        zero3_ds_config=init_config(zero_stage=zero_stage, dtype=cfg.dtype),
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights)
     return build_frozen_engine(model, zero_stage=zero_stage, dtype=cfg.dtype, offload=offload,
-                               micro_batch=cfg.per_device_training_batch_size)
+                               micro_batch=cfg.per_device_training_batch_size, block_leaves=cfg.zero3_block_leaves)
 
 
 def main() -> None:
@@ -143,7 +145,10 @@ def main() -> None:
     # (one all-gather per model per step instead of DeepSpeed's per-layer fetch hooks); the frozen
     # models' copies are gathered once and kept with --keep_inference_copy. A model whose parameters
     # are offloaded keeps the engine path: a full copy on the device is what the offload avoids.
-    views = {name: GatheredCopy(m, keep=cfg.keep_inference_copy, frozen=frozen)
+    # The actor's view is the rollout engine's own copy: it generates, then scores what it generated
+    # (held in between: one gather of the actor a step).
+    views = {name: rollout.copy if name == "actor" and hasattr(rollout, "copy") else
+             GatheredCopy(m, keep=cfg.keep_inference_copy, frozen=frozen)
              for name, m, frozen, offloaded in (("actor", actor, False, cfg.offload), ("ref", ref, True, cfg.offload_reference_model),
                                                 ("critic", critic, False, cfg.offload),
                                                 ("reward", reward_model, True, cfg.offload_reward_model))
@@ -197,13 +202,15 @@ def main() -> None:
         t0 = time.time()
         if gen_cfg is gen:
             crash_point("generation")
-        batch = rollout.generate(PromptBatch(ids, mask), gen_cfg)
-        t_gen = time.time() - t0
-        P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
-        temperature = cfg.temperature if gen_cfg.do_sample else 1.0
-        old_lp = None
-        if not (old_logprobs_from_training and gen_cfg is gen):  # evaluation needs them for its KL
-            old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
+        actor_view = views.get("actor")
+        with actor_view.held() if actor_view is not None else contextlib.nullcontext():
+            batch = rollout.generate(PromptBatch(ids, mask), gen_cfg)
+            t_gen = time.time() - t0
+            P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
+            temperature = cfg.temperature if gen_cfg.do_sample else 1.0
+            old_lp = None
+            if not (old_logprobs_from_training and gen_cfg is gen):  # evaluation needs them for its KL
+                old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
         ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature)
         values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
         raw = score(batch, rows, parts)

@@ -328,12 +328,23 @@ def cpu_checks(c: Checker, rank: int, world: int, device, model_dir: str) -> Non
         with torch.no_grad():
             via_engine, _ = actor_forward(engine, seqs, attn, plen)
             view = GatheredCopy(engine)
-            via_copy, _ = actor_forward(view.model(), seqs, attn, plen)
+            gathered = view.model()
+            via_copy, _ = actor_forward(gathered, seqs, attn, plen)
             view.done()
         engine.train()
         c.check("zero3.experience_on_copy_equals_engine",
                 torch.allclose(via_copy, via_engine, atol=1e-5, rtol=1e-5) and view._copy is None,
                 max_diff=float((via_copy - via_engine).abs().max()))
+        # done() frees the copy's weights at once, even while something still holds the module
+        c.check("zero3.released_copy_holds_no_weights", all(p.numel() == 0 for p in gathered.parameters()))
+        # held(): uses in a row share one gathered copy (their done() keeps it); it is dropped at the end
+        with torch.no_grad(), view.held():
+            first = view.model()
+            view.done()
+            second = view.model()
+            view.done()
+            held_ok = first is second and view._copy is first and first.training is False
+        c.check("zero3.held_copy_shared_then_dropped", held_ok and view._copy is None)
 
         loss = train_step(engine, expected)
         stepped = full_state(engine.module)

@@ -70,7 +70,8 @@ EXPECTED_CHECKS = [
     "reference.mask_ok", "zero3.hf_mask_ok",
     # the inference copy: plain, released, refreshed after an optimizer step
     "zero3.hf_released_copy", "zero3.kept_copy_plain", "zero3.kept_refreshed_after_step", "zero3.hf_after_step",
-    "zero3.hf_no_per_token_collectives", "zero3.experience_on_copy_equals_engine",
+    "zero3.hf_no_per_token_collectives", "zero3.experience_on_copy_equals_engine", "zero3.released_copy_holds_no_weights",
+    "zero3.held_copy_shared_then_dropped",
     # the training engine does not notice
     "zero3.actor_partitioned_at_load", "lora.actor_partitioned", "zero3.weights_untouched", "lora.weights_untouched",
     "zero3.zero_status_untouched",
