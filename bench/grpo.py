@@ -7,6 +7,9 @@ prompts, 1 prompt x 4 samples a step, 64 new tokens): ~11.7 s a step, 0.34 compl
 step3_ppo/main.py for real with --algo grpo --reward_fn gsm8k on ../shared/data/gsm8k, every
 completion forced to 64 tokens (--min_new_tokens 64: at least the reference's work), and reports the
 steady-state seconds per step and completions/s (first step left out). A figure, never an assertion.
+
+With --trl (needs `pip install trl`; not a dependency of rlhfkit) TRL's GRPOTrainer runs at the same
+settings in the same minutes (bench/trl_grpo_baseline.py) and the ratio is taken against it too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new_tokens", type=int, default=64)
+    ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer at the same settings")
     ap.add_argument("--out", default="bench_grpo.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:
@@ -50,6 +54,15 @@ def main() -> None:
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         rows = [json.loads(x) for x in open(os.path.join(work, "grpo", "logs", "metrics.jsonl")) if "time/step_s" in x]
+        trl = None
+        if args.trl:
+            out = os.path.join(work, "trl.json")
+            cmd = [sys.executable, str(REPO / "bench/trl_grpo_baseline.py"), "--model", args.model, "--data", args.data,
+                   "--steps", str(args.steps), "--samples", str(args.samples), "--new_tokens", str(args.new_tokens), "--out", out]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            trl = json.load(open(out))
     timed = rows[1:] or rows
     step_s = sum(r["time/step_s"] for r in timed) / len(timed)
     split = {k: sum(r[f"time/{k}_s"] for r in timed) / len(timed) for k in ("generation", "experience", "training")}
@@ -59,10 +72,14 @@ def main() -> None:
     print(f"{'':<12}{'s/step':>8}{'completions/s':>15}   split (gen / exp / train s)")
     print(f"{'rlhfkit':<12}{step_s:>8.2f}{result['completions_per_s']:>15.3f}   "
           f"{split['generation']:.2f} / {split['experience']:.2f} / {split['training']:.2f}")
-    print(f"{'TRL (ref.)':<12}{TRL['step_s']:>8.2f}{TRL['completions_per_s']:>15.3f}")
-    print(f"rlhfkit / TRL completions/s: {result['completions_per_s'] / TRL['completions_per_s']:.2f}x (target >= 2x)")
+    if trl is not None:
+        print(f"{'TRL ' + trl['trl_version']:<12}{trl['step_s']:>8.2f}{trl['completions_per_s']:>15.3f}   (same run, beta {trl['beta']})")
+    print(f"{'TRL (ref.)':<12}{TRL['step_s']:>8.2f}{TRL['completions_per_s']:>15.3f}   (fixed reference)")
+    if trl is not None:
+        print(f"rlhfkit / TRL same run, completions/s: {result['completions_per_s'] / trl['completions_per_s']:.2f}x (target >= 2x)")
+    print(f"rlhfkit / TRL fixed reference, completions/s: {result['completions_per_s'] / TRL['completions_per_s']:.2f}x")
     with open(args.out, "w") as f:
-        json.dump({"rlhfkit": result, "trl_reference": TRL}, f, indent=2)
+        json.dump({"rlhfkit": result, "trl_reference": TRL, "trl_same_run": trl}, f, indent=2)
 
 
 if __name__ == "__main__":

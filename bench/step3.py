@@ -36,6 +36,7 @@ VARIANTS = {  # name -> (rollout backend, extra flags)
     "hf": ("hf", []),
     "hf-synced": ("hf-synced", []),
     "hf-engine-experience": ("hf", ["--experience_on_copies", "false"]),
+    "hf-no-block-leaves": ("hf", ["--zero3_block_leaves", "false"]),
 }
 
 
@@ -71,7 +72,8 @@ def main() -> None:
     ap.add_argument("--answer", type=int, default=64)
     ap.add_argument("--backends", default="hf,hf-synced",
                     help=f"comma-separated runs, each one of: {', '.join(VARIANTS)} (hf-engine-experience: step 3's "
-                         "experience passes through the ZeRO-3 engines instead of gathered copies)")
+                         "experience passes through the ZeRO-3 engines instead of gathered copies; hf-no-block-leaves: ZeRO-3 "
+                         "hooks every linear layer, not each transformer block)")
     ap.add_argument("--out", default="bench_step3.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as work:

@@ -1,11 +1,16 @@
-"""SFT training throughput: 1 rank ZeRO-0 vs 2 ranks ZeRO-3 at the same global batch, and DeepSpeed-Chat's
-step-1 recipe (bench/dschat_sft_baseline.py) at the 2-rank ZeRO-3 settings, side by side in one run,
+"""Training throughput of steps 1 and 2 against DeepSpeed-Chat's recipes, side by side in one run,
 each also as a fraction of this machine's matmul peak measured in the same run.
 
     python bench/train_throughput.py --model BASE_DIR [--steps 6] [--out bench_train.json]
+    python bench/train_throughput.py --stage reward --model SFT_DIR [--steps 8]
 
-Runs step1_sft/main.py for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads its metrics
-log; the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
+--stage sft (default): step 1 on 1 rank ZeRO-0 and on 2 ranks ZeRO-3 at the same global batch, and
+DeepSpeed-Chat's step-1 recipe (bench/dschat_baseline.py) at the 2-rank ZeRO-3 settings.
+--stage reward: step 2 on 2 ranks ZeRO-3 with packed pairs (the default) and with the two
+sequences of a pair in separate rows, and DeepSpeed-Chat's step-2 recipe, 2 pairs per rank each.
+
+Runs the programs for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads their metrics logs;
+the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
 writes JSON. Figures, not assertions: this machine is noisy, compare ratios within one run.
 """
 
@@ -47,14 +52,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_sft(model: str, ranks: int, zero: int, micro: int, steps: int, seq: int, data: str, workdir: str) -> dict:
-    out = os.path.join(workdir, f"sft-r{ranks}-z{zero}")
+def run_rlhfkit(stage: str, model: str, ranks: int, zero: int, micro: int, steps: int, seq: int, data: str, workdir: str,
+                extra: tuple[str, ...] = ()) -> dict:
+    """step1_sft (stage sft) or step2_reward (stage reward) for ``steps`` optimiser steps; samples are sequences."""
+    out = os.path.join(workdir, f"{stage}-r{ranks}-z{zero}-{len(extra)}")
     threads = max(1, (os.cpu_count() or 2) // ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    program = "step1_sft/main.py" if stage == "sft" else "step2_reward/main.py"
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
-           str(REPO / "step1_sft/main.py"), "--model_name_or_path", model, "--data_path", data, "--output_dir", out,
+           str(REPO / program), "--model_name_or_path", model, "--data_path", data, "--output_dir", out,
            "--zero_stage", str(zero), "--dtype", "bf16", "--max_seq_len", str(seq), "--per_device_train_batch_size", str(micro),
-           "--max_steps", str(steps), "--max_eval_samples", "2", "--progress_bar", "false", "--lr_scheduler_type", "constant"]
+           "--max_steps", str(steps), "--max_eval_samples", "2", "--progress_bar", "false", "--lr_scheduler_type", "constant",
+           *extra]
     t = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
@@ -64,31 +73,33 @@ def run_sft(model: str, ranks: int, zero: int, micro: int, steps: int, seq: int,
     dt = last["time_s"] - first["time_s"]
     samples = last["train/samples"] - first["train/samples"]
     tokens = last["train/tokens"] - first["train/tokens"]
-    return {"ranks": ranks, "zero_stage": zero, "micro_batch": micro, "global_batch": micro * ranks,
+    return {"name": f"rlhfkit {ranks} rank ZeRO-{zero} ({micro}x{ranks}){' ' + ' '.join(extra) if extra else ''}",
+            "ranks": ranks, "zero_stage": zero, "micro_batch": micro, "global_batch": micro * ranks,
             "steps_timed": len(rows) - 1, "seconds_per_step": dt / max(len(rows) - 1, 1),
             "samples_per_s": samples / dt, "tokens_per_s": tokens / dt, "wall_s": time.time() - t}
 
 
-def run_dschat(model: str, micro: int, steps: int, seq: int, data: str, workdir: str) -> dict:
+def run_dschat(stage: str, model: str, micro: int, steps: int, seq: int, data: str, workdir: str) -> dict:
     out = os.path.join(workdir, "dschat.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-           str(REPO / "bench/dschat_sft_baseline.py"), "--model", model, "--data", data, "--steps", str(steps),
+           str(REPO / "bench/dschat_baseline.py"), "--stage", stage, "--model", model, "--data", data, "--steps", str(steps),
            "--micro", str(micro), "--seq", str(seq), "--out", out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return {"ranks": 2, "zero_stage": 3, "micro_batch": micro, "global_batch": 2 * micro, "recipe": "deepspeed-chat",
-            **json.load(open(out))}
+    return {"name": f"DS-Chat recipe 2r Z3 ({micro}x2)", "ranks": 2, "zero_stage": 3, "micro_batch": micro,
+            "global_batch": 2 * micro, "recipe": "deepspeed-chat", **json.load(open(out))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="base or SFT checkpoint directory (SmolLM2-135M: rlhfkit prepare-base)")
+    ap.add_argument("--stage", choices=["sft", "reward"], default="sft")
     ap.add_argument("--data", default=str(HH))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--global_batch", type=int, default=8)
+    ap.add_argument("--global_batch", type=int, default=None, help="rows (sft, default 8) or pairs (reward, default 4)")
     ap.add_argument("--out", default="bench_train_throughput.json")
     args = ap.parse_args()
 
@@ -100,33 +111,47 @@ def main() -> None:
     flop_per_token = 6 * n_params  # forward + backward, dense part (the tied LM head counted once)
     threads = os.cpu_count() or 2
     peaks = {"bf16": matmul_peak("bfloat16", threads), "fp32": matmul_peak("float32", threads)}
+    common = (args.steps, args.seq, args.data)
     with tempfile.TemporaryDirectory() as work:
-        runs = [run_sft(args.model, 1, 0, args.global_batch, args.steps, args.seq, args.data, work),
-                run_sft(args.model, 2, 3, args.global_batch // 2, args.steps, args.seq, args.data, work),
-                run_dschat(args.model, args.global_batch // 2, args.steps, args.seq, args.data, work)]
+        if args.stage == "sft":
+            batch = args.global_batch or 8
+            runs = [run_rlhfkit("sft", args.model, 1, 0, batch, *common, work),
+                    run_rlhfkit("sft", args.model, 2, 3, batch // 2, *common, work),
+                    run_dschat("sft", args.model, batch // 2, *common, work)]
+        else:
+            batch = args.global_batch or 4
+            runs = [run_rlhfkit("reward", args.model, 2, 3, batch // 2, *common, work),
+                    run_rlhfkit("reward", args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false")),
+                    run_dschat("reward", args.model, batch // 2, *common, work)]
     for r in runs:
         achieved = r["tokens_per_s"] * flop_per_token / 1e9
         r["model_gflops"] = achieved
         r["fraction_of_bf16_peak"] = achieved / peaks["bf16"]
         r["fraction_of_fp32_peak"] = achieved / peaks["fp32"]
+        if args.stage == "reward":
+            r["pairs_per_s"] = r["samples_per_s"] / 2
+    unit = "samples/s" if args.stage == "sft" else "pairs/s"
+    key = "samples_per_s" if args.stage == "sft" else "pairs_per_s"
     print(f"\nmatmul peak on {threads} threads: bf16 {peaks['bf16']:.0f} GFLOP/s, fp32 {peaks['fp32']:.0f} GFLOP/s; "
           f"model {n_params / 1e6:.0f}M params, {flop_per_token / 1e9:.2f} GFLOP per trained token")
-    print(f"{'setup':<22}{'s/step':>8}{'samples/s':>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}{'of fp32':>9}")
+    print(f"{'setup':<48}{'s/step':>8}{unit:>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}")
     for r in runs:
-        name = f"{r['ranks']} rank ZeRO-{r['zero_stage']} ({r['micro_batch']}x{r['ranks']})"
-        name = f"DS-Chat recipe {name[:1]}r Z3" if r.get("recipe") else name
-        print(f"{name:<22}{r['seconds_per_step']:>8.2f}{r['samples_per_s']:>11.2f}{r['tokens_per_s']:>10.0f}"
-              f"{r['model_gflops']:>9.0f}{r['fraction_of_bf16_peak']:>9.1%}{r['fraction_of_fp32_peak']:>9.1%}")
-    ratio = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
-    vs_dschat = runs[1]["samples_per_s"] / runs[2]["samples_per_s"]
-    print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {ratio:.2f}")
-    print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, samples/s: {vs_dschat:.2f} (target >= 1.5)")
-    print("(tokens/s of the DeepSpeed-Chat recipe count every real token it trains on, prompts included; rlhfkit's count "
-          "every real token of its batches)")
-    print("fixed reference: DeepSpeed-Chat step 1 on this machine type: ~0.80 samples/s (target >= 1.20)")
+        print(f"{r['name']:<48}{r['seconds_per_step']:>8.2f}{r[key]:>11.2f}{r['tokens_per_s']:>10.0f}"
+              f"{r['model_gflops']:>9.0f}{r['fraction_of_bf16_peak']:>9.1%}")
+    summary = {"peaks_gflops": peaks, "params": n_params, "stage": args.stage, "runs": runs}
+    if args.stage == "sft":
+        summary["zero3_over_zero0"] = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
+        print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {summary['zero3_over_zero0']:.2f}")
+    else:
+        summary["packed_over_apart"] = runs[0][key] / runs[1][key]
+        print(f"packed pairs / pairs in separate rows, pairs/s: {summary['packed_over_apart']:.2f}")
+    summary["rlhfkit_over_dschat"] = runs[-2 if args.stage == "sft" else 0][key] / runs[-1][key]
+    print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
+    print("(tokens/s count every real token a recipe computes: DeepSpeed-Chat's and rlhfkit's separate rows count a "
+          "pair's prompt twice, packed pairs once)")
+    print("fixed reference on this machine type: DeepSpeed-Chat step 1 ~0.80 samples/s, step 2 ~0.53 pairs/s")
     with open(args.out, "w") as f:
-        json.dump({"peaks_gflops": peaks, "params": n_params, "runs": runs, "zero3_over_zero0": ratio,
-                   "rlhfkit_over_dschat": vs_dschat}, f, indent=2)
+        json.dump(summary, f, indent=2)
     print(f"written {args.out}")
 
 
