@@ -275,7 +275,7 @@ def _take(rows: list, tokenizer: Any, max_len: int, n: int) -> tuple[list, list[
 
 def load_prompts(opts: EvalOptions, tokenizer: Any, actor_manifest: dict) -> PromptSet:
     """The evaluation prompts: ``--prompts`` (seeded shuffle, first n) or the actor's held-out step-3 prompts."""
-    from rlhfkit.data import load_phase_data
+    from rlhfkit.data import load_phase_data, with_prompt_suffix
 
     config = (actor_manifest or {}).get("config") or {}
     max_len = opts.max_prompt_len or config.get("max_prompt_seq_len") or DEFAULT_MAX_PROMPT_LEN
@@ -304,6 +304,10 @@ def load_prompts(opts: EvalOptions, tokenizer: Any, actor_manifest: dict) -> Pro
         origin = (f"held-out step-3 prompts of {', '.join(map(str, data_path if isinstance(data_path, list) else [data_path]))} "
                   f"(data_split {config.get('data_split')}, seed {config.get('seed')}, eval_fraction "
                   f"{config.get('eval_fraction')}, max_eval_samples {config.get('max_eval_samples')}; first {opts.n})")
+    suffix = config.get("prompt_suffix")
+    if suffix:  # the instruction step 3 added to every prompt (--prompt_suffix): the actor was trained with it
+        rows = with_prompt_suffix(rows, suffix)
+        origin += f"; step 3's --prompt_suffix {suffix!r} appended"
     examples, features, tok_line = _take(rows, tokenizer, max_len, opts.n)
     return PromptSet(examples, features, origin, [s.summary() for s in sources], f"{tok_line} (max {max_len} tokens)")
 

@@ -235,3 +235,21 @@ def test_eval_errors(dirs, data, tmp_path, capsys):
     msg = capsys.readouterr().err
     assert msg.startswith("error: no reward") and "Traceback" not in msg
     assert issubclass(CheckpointError, RlhfkitError)
+
+
+def test_eval_applies_step3_prompt_suffix(dirs, data, tmp_path, capsys, tokenizer):
+    """An actor trained with --prompt_suffix is evaluated on its held-out prompts with the same instruction."""
+    import shutil
+
+    from rlhfkit.checkpoint import read_manifest, write_manifest
+
+    actor = tmp_path / "actor_suffix"
+    shutil.copytree(dirs["actor"], actor)
+    manifest = read_manifest(actor)
+    manifest["config"]["prompt_suffix"] = "Answer after '####'."
+    write_manifest(actor, manifest)
+    out = tmp_path / "eval"
+    stdout = run(capsys, "--actor", actor, "--reward_fn", "gsm8k", "--out", out)
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows and all(r["prompt"].endswith("Answer after '####'.") for r in rows), [r["prompt"] for r in rows]
+    assert "--prompt_suffix" in stdout or "--prompt_suffix" in (out / "report.md").read_text()
