@@ -71,11 +71,16 @@ class OptimArgs:
     gradient_clipping: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
 
 
+ZERO3_BLOCK_LEAVES_HELP = ("Under ZeRO-3, gather, release and reduce each transformer block (the model's _no_split_modules) "
+                           "as one unit instead of linear layer by linear layer (DeepSpeed leaf modules; fewer hooks and "
+                           "collectives, same math).")
+
+
 @dataclass
 class DeepSpeedArgs:
     zero_stage: int = arg(0, "ZeRO stage 0-3.")
     offload: bool = arg(False, "Offload optimizer state (and parameters under ZeRO-3) to CPU memory.")
-    zero3_block_leaves: bool = arg(True, "Under ZeRO-3, gather, release and reduce each transformer block (the model's _no_split_modules) as one unit instead of linear layer by linear layer (DeepSpeed leaf modules; fewer hooks and collectives, same math).")
+    zero3_block_leaves: bool = arg(True, ZERO3_BLOCK_LEAVES_HELP)
     dtype: str = arg("bf16", "Training dtype: bf16, fp16 or fp32.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; do not pass by hand.")
     dist_timeout_s: int = arg(600, "Timeout of collective operations in seconds: a dead rank ends the job instead of hanging it.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from rlhfkit.config import arg, require
+from rlhfkit.config import ZERO3_BLOCK_LEAVES_HELP, arg, require
 from rlhfkit.errors import ConfigError
 from rlhfkit.rl import ALGOS
 from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS
@@ -114,7 +114,7 @@ class Step3Train:
     actor_zero_stage: int = arg(0, "ZeRO stage of the actor (and the reference).")
     critic_zero_stage: int = arg(0, "ZeRO stage of the critic (and the reward model).")
     offload: bool = arg(False, "Offload actor/critic optimizer state (and params under ZeRO-3) to CPU.")
-    zero3_block_leaves: bool = arg(True, "Under ZeRO-3, gather, release and reduce each transformer block (the model's _no_split_modules) as one unit instead of linear layer by linear layer (DeepSpeed leaf modules; fewer hooks and collectives, same math).")
+    zero3_block_leaves: bool = arg(True, ZERO3_BLOCK_LEAVES_HELP)
     offload_reference_model: bool = arg(False, "Keep the reference model's parameters in CPU memory (ZeRO-3 offload).")
     offload_reward_model: bool = arg(False, "Keep the reward model's parameters in CPU memory (ZeRO-3 offload).")
     dtype: str = arg("bf16", "bf16, fp16 or fp32.")
