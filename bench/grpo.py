@@ -28,6 +28,12 @@ GSM8K = REPO / ".." / "shared" / "data" / "gsm8k" / "test_first1000.jsonl"
 TRL = {"step_s": 11.7, "completions_per_s": 0.34}
 
 
+def run(cmd: list[str], env: dict) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
@@ -50,18 +56,14 @@ def main() -> None:
                "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.new_tokens), "--min_new_tokens", str(args.new_tokens),
                "--dtype", "bf16", "--actor_zero_stage", "0", "--max_steps", str(args.steps), "--eval_fraction", "0.001",
                "--max_eval_samples", "1", "--output_dir", os.path.join(work, "grpo"), "--progress_bar", "false"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        run(cmd, env)
         rows = [json.loads(x) for x in open(os.path.join(work, "grpo", "logs", "metrics.jsonl")) if "time/step_s" in x]
         trl = None
         if args.trl:
             out = os.path.join(work, "trl.json")
             cmd = [sys.executable, str(REPO / "bench/trl_grpo_baseline.py"), "--model", args.model, "--data", args.data,
                    "--steps", str(args.steps), "--samples", str(args.samples), "--new_tokens", str(args.new_tokens), "--out", out]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-            if proc.returncode != 0:
-                raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            run(cmd, env)
             trl = json.load(open(out))
     timed = rows[1:] or rows
     step_s = sum(r["time/step_s"] for r in timed) / len(timed)
