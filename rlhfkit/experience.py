@@ -5,6 +5,12 @@ response [A]``. The logits at position ``P - 1 + t`` predict response token ``t`
 value of the state before action ``t`` is read at the same position ``P - 1 + t``; the sequence
 score is read at the last real token (the EOS when the response has one). Position ids skip the
 left padding, as during generation.
+
+Group packing (GRPO and the other group algorithms): the G samples of a prompt share their prompt
+tokens, so :func:`actor_forward` can run each group as one row, the prompt once and then the G
+responses, each response attending to the prompt and to itself only (a 4D mask) with the positions
+it had when it was sampled. The logprobs are those of the G rows run apart; the prompt's tokens are
+computed once instead of G times (GSM8K at 64 new tokens, G = 4: 40% fewer tokens).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rlhfkit.algos import entropy_from_logits, logprobs_from_logits
-from rlhfkit.models import position_ids, token_values
+from rlhfkit.models import additive_mask, attention_span, position_ids, takes_4d_mask, token_values
 
 
 @dataclass
@@ -92,17 +98,86 @@ class Experience:
         return Experience(**out)
 
 
+@dataclass
+class PackedGroups:
+    """Groups of G rows with one prompt, each as one row: ``prompt [P] ++ response_1 [A] ++ ... ++
+    response_G [A]`` (N = B / G rows of L = P + G * A tokens)."""
+
+    input_ids: torch.Tensor  # [N, L]
+    allowed: torch.Tensor  # [N, L, L] bool: query row may attend to key column
+    position_ids: torch.Tensor  # [N, L]: a response's tokens continue from its prompt's last position
+    logit_index: torch.Tensor  # [G * A] which of the last G * A + 1 positions predicts each response token
+
+
+def pack_groups(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, group_size: int) -> Optional[PackedGroups]:
+    """The packed layout of ``sequences`` [B, P+A] when its rows come in contiguous groups of
+    ``group_size`` with one prompt each (ids and mask); None otherwise (the rows are run as they are).
+
+    The mask is causal; a response sees the prompt's real tokens and its own earlier tokens, never
+    another response; padding is seen by nobody and sees only itself. Response token t of sample g is
+    predicted at the prompt's last position when t = 0 and at its own token t - 1 after that.
+    """
+    B, T = sequences.shape
+    P, G = prompt_len, group_size
+    A = T - P
+    if G < 2 or B == 0 or B % G or A < 1:
+        return None
+    N = B // G
+    prompts, prompt_mask = sequences[:, :P].view(N, G, P), attention_mask[:, :P].view(N, G, P)
+    if not (torch.equal(prompts, prompts[:, :1].expand_as(prompts)) and
+            torch.equal(prompt_mask, prompt_mask[:, :1].expand_as(prompt_mask))):
+        return None
+    L = P + G * A
+    dev = sequences.device
+    input_ids = torch.cat([prompts[:, 0], sequences[:, P:].reshape(N, G * A)], dim=1)
+    real = torch.cat([prompt_mask[:, 0], attention_mask[:, P:].reshape(N, G * A)], dim=1).bool()  # [N, L]
+    block = torch.cat([torch.zeros(P, dtype=torch.long, device=dev),
+                       torch.arange(1, G + 1, device=dev).repeat_interleave(A)])  # 0 = prompt, g = response g
+    visible = (block[None, :] == 0) | (block[:, None] == block[None, :])  # [L, L] prompt, or the same response
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
+    allowed = (causal & visible)[None] & real[:, None, :] & real[:, :, None]
+    allowed |= torch.eye(L, dtype=torch.bool, device=dev)[None]
+    n_prompt = prompt_mask[:, 0].sum(-1, keepdim=True)  # [N, 1]
+    pos = torch.cat([position_ids(prompt_mask[:, 0]), n_prompt + torch.arange(A, device=dev).repeat(G)[None]], dim=1)
+    t = torch.arange(A, device=dev).repeat(G)
+    g = torch.arange(G, device=dev).repeat_interleave(A)
+    logit_index = torch.where(t == 0, torch.zeros_like(t), g * A + t)  # into the last G*A+1 positions (from P-1)
+    return PackedGroups(input_ids, allowed, pos, logit_index)
+
+
+def group_packing_pays(prompt_len: int, response_len: int, group_size: int, span: Optional[float]) -> bool:
+    """Whether one packed row per group costs less than its G rows: a row of L tokens costs about
+    L (the weights) + L^2 / span (attention, computed densely; ``span`` from
+    :func:`rlhfkit.models.attention_span`). Long responses in large groups do not pay: the packed
+    row's attention grows with (G * A)^2."""
+    if span is None or group_size < 2:
+        return False
+    S, L = prompt_len + response_len, prompt_len + group_size * response_len
+    return L + L * L / span < group_size * (S + S * S / span)
+
+
 def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                  temperature: float = 1.0, with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  temperature: float = 1.0, with_entropy: bool = False,
+                  group_size: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Logprobs of the response tokens under ``model`` ([B, A]) and optionally their entropy ([B, A]).
 
     Only the logits that predict response tokens are computed (``logits_to_keep``), divided by the
-    sampling temperature so that the logprobs are those of the distribution that was sampled.
+    sampling temperature so that the logprobs are those of the distribution that was sampled. With
+    ``group_size`` G > 1, rows that come in groups of G with one prompt run packed
+    (:func:`pack_groups`) when the attention kernel takes a 4D mask and packing costs less.
     """
-    A = sequences.shape[1] - prompt_len
-    out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=False, logits_to_keep=A + 1)
-    logits = out.logits[:, :-1].float()  # [B, A, V]: position P-1+t predicts response token t
+    B, A = sequences.shape[0], sequences.shape[1] - prompt_len
+    packed = None
+    if group_size > 1 and takes_4d_mask(model) and group_packing_pays(prompt_len, A, group_size, attention_span(model)):
+        packed = pack_groups(sequences, attention_mask, prompt_len, group_size)
+    if packed is None:
+        out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                    use_cache=False, logits_to_keep=A + 1)
+        logits = out.logits[:, :-1].float()  # [B, A, V]: position P-1+t predicts response token t
+    else:
+        out = model(input_ids=packed.input_ids, attention_mask=additive_mask(model, packed.allowed),
+                    position_ids=packed.position_ids, use_cache=False, logits_to_keep=group_size * A + 1)
+        logits = out.logits[:, packed.logit_index].float().reshape(B, A, -1)  # [N, G*A, V] -> [B, A, V]
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, sequences[:, prompt_len:])

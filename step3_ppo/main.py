@@ -210,8 +210,12 @@ def main() -> None:
             temperature = cfg.temperature if gen_cfg.do_sample else 1.0
             old_lp = None
             if not (old_logprobs_from_training and gen_cfg is gen):  # evaluation needs them for its KL
+                # unpacked, as the shuffled mini-batches that will divide by them are: the ratio of the
+                # first update is then 1 up to the copy-vs-engine rounding only
                 old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
-        ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature)
+        # a group's samples share their prompt: one row per group (--pack_groups)
+        ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature, False,
+                                    repeat if cfg.pack_groups else 1)
         values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
         raw = score(batch, rows, parts)
         scores = raw.clone()
@@ -287,7 +291,8 @@ def main() -> None:
             for mb in [exp] if old_logprobs_from_training else exp.minibatches(cfg.per_device_training_batch_size, gen_rng):
                 norm = dist.all_reduce_sum(torch.tensor([mb.loss_mask.sum().item(), float(len(mb))], dtype=torch.float64))
                 n_tok, n_seq = max(norm[0].item(), 1.0) / dist.world_size(), norm[1].item() / dist.world_size()
-                logp, entropy = actor_forward(actor, mb.sequences, mb.attention_mask, mb.prompt_len, cfg.temperature, with_entropy=True)
+                logp, entropy = actor_forward(actor, mb.sequences, mb.attention_mask, mb.prompt_len, cfg.temperature, with_entropy=True,
+                                              group_size=cfg.n_samples_per_prompt if cfg.pack_groups else 1)
                 if mb.old_logprobs is None:  # the single update of this batch (old_logprobs_from_training)
                     mb.old_logprobs = logp.detach()
                     mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, cfg.kl_estimator) * mb.action_mask

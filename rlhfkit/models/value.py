@@ -60,13 +60,37 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
 
 
+def takes_4d_mask(model: Any) -> bool:
+    """Whether ``model``'s attention kernel takes an arbitrary 4D mask (eager and SDPA do; the flash
+    kernels take only padding)."""
+    return getattr(_unwrap(model).config, "_attn_implementation", None) in ("eager", "sdpa")
+
+
+def attention_span(model: Any) -> float | None:
+    """The number of attended keys at which a query's attention costs as much as its token's pass
+    through the weights: ``n_params / (2 * hidden * layers)`` (per layer, QK^T and AV take 4 * hidden
+    FLOPs per key; the weights 2 FLOPs per parameter). None when the config does not say."""
+    base = _unwrap(model)
+    hidden, layers = getattr(base.config, "hidden_size", None), getattr(base.config, "num_hidden_layers", None)
+    if not hidden or not layers:
+        return None
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in base.parameters())
+    return n_params / (2 * hidden * layers)
+
+
+def additive_mask(model: Any, allowed: torch.Tensor) -> torch.Tensor:
+    """A bool [B, T, T] mask (query row may attend to key column) as the [B, 1, T, T] additive mask
+    transformers takes, in ``model``'s dtype."""
+    dtype = _unwrap(model).get_input_embeddings().weight.dtype
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    blocked.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return blocked.unsqueeze(1)
+
+
 def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [B], rejected [B]) scores of a ``collate_packed_pairs`` batch: one row per pair, its
     ``pair_mask`` passed to the model as a 4D additive mask (kernels that take one: eager, SDPA)."""
-    dtype = _unwrap(model).get_input_embeddings().weight.dtype
-    blocked = torch.zeros(batch["pair_mask"].shape, dtype=dtype, device=batch["pair_mask"].device)
-    blocked.masked_fill_(~batch["pair_mask"], torch.finfo(dtype).min)
-    values = _head_outputs(model, input_ids=batch["input_ids"], attention_mask=blocked.unsqueeze(1),
+    values = _head_outputs(model, input_ids=batch["input_ids"], attention_mask=additive_mask(model, batch["pair_mask"]),
                            position_ids=batch["position_ids"])
     rows = torch.arange(values.shape[0], device=values.device)
     return values[rows, batch["chosen_end"]], values[rows, batch["rejected_end"]]
