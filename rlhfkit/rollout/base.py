@@ -242,14 +242,24 @@ def isolated_generation_config(hf_model: torch.nn.Module) -> Iterator[None]:
 
 def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationConfig, device: torch.device,
                 synced_gpus: bool) -> RolloutBatch:
-    """``module.generate`` on ``prompts`` with exactly ``gen``, then :func:`postprocess`.
+    """Sample ``prompts`` with exactly ``gen`` on a Hugging Face causal LM, then :func:`postprocess`.
 
-    ``synced_gpus`` is always passed explicitly: transformers would otherwise turn it on by itself
-    whenever an ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1.
+    Rank-local generation runs :func:`rlhfkit.rollout.sampling.decode` (``generate``'s semantics,
+    faster sampling, one prefill per distinct prompt). ``synced_gpus=True`` (every rank keeps
+    stepping until all are done: ZeRO-3 forwards are collective) runs ``module.generate``;
+    ``synced_gpus`` is always passed to it explicitly: transformers would otherwise turn it on by
+    itself whenever an ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1.
     """
     input_ids = prompts.input_ids.to(device)
     attention_mask = prompts.attention_mask.to(device)
     P = input_ids.shape[1]
+    if not synced_gpus:
+        from rlhfkit.rollout.sampling import decode
+
+        new = decode(module, hf_model_of(module), input_ids, attention_mask, max_new_tokens=gen.max_new_tokens,
+                     min_new_tokens=gen.min_new_tokens, do_sample=gen.do_sample, temperature=gen.temperature, top_k=gen.top_k,
+                     top_p=gen.top_p, eos_ids=gen.eos_ids, pad_token_id=gen.pad_token_id)
+        return postprocess(input_ids, attention_mask, new, gen.eos_ids, gen.pad_token_id)
     with isolated_generation_config(hf_model_of(module)), torch.no_grad():
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen.to_hf(),
                               synced_gpus=synced_gpus)

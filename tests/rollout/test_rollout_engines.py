@@ -97,6 +97,18 @@ def test_greedy_equals_plain_generate(model, prompts, backend):
     assert got.response_lengths[0] <= 3 and not got.truncated[0]
 
 
+@pytest.mark.parametrize("backend", ["hf", "hf-synced"])
+def test_groups_of_one_prompt_decode_like_plain_generate(model, prompts, backend):
+    """Rows that repeat a prompt (a GRPO group, prefilled once by the hf backend) and a prompt that
+    comes back later (not a neighbour: prefilled again) give generate's greedy tokens."""
+    idx = torch.tensor([0, 0, 0, 1, 2, 2, 0])
+    rows = PromptBatch(prompts.input_ids[idx], prompts.attention_mask[idx])
+    gen = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[999], pad_token_id=PAD)
+    got = make_rollout_engine(backend, model).generate(rows, gen)
+    assert torch.equal(got.response_ids, plain(model, rows, do_sample=False, eos_token_id=[999]))
+    assert torch.equal(got.response_ids, make_rollout_engine(backend, model).generate(prompts, gen).response_ids[idx])
+
+
 def test_model_generation_defaults_do_not_leak(model, prompts):
     m = copy.deepcopy(model)
     m.generation_config.do_sample = True
@@ -113,8 +125,10 @@ def test_model_generation_defaults_do_not_leak(model, prompts):
     torch.manual_seed(7)
     got = make_rollout_engine("hf", m).generate(prompts, sampled)
     torch.manual_seed(7)
-    want = plain(model, prompts, do_sample=True, temperature=1.3, top_p=0.95, top_k=0, eos_token_id=[999])
-    assert torch.equal(got.response_ids, want)
+    want = make_rollout_engine("hf", model).generate(prompts, sampled)  # the same model, its generation_config untouched
+    assert torch.equal(got.response_ids, want.response_ids)
+    torch.manual_seed(8)
+    assert not torch.equal(make_rollout_engine("hf", model).generate(prompts, sampled).response_ids, want.response_ids)
 
 
 def test_min_new_tokens_suppresses_eos(model, prompts):
