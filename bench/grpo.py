@@ -10,6 +10,7 @@ steady-state seconds per step and completions/s (first step left out). A figure,
 
 With --trl (needs `pip install trl`; not a dependency of rlhfkit) TRL's GRPOTrainer runs at the same
 settings in the same minutes (bench/trl_grpo_baseline.py) and the ratio is taken against it too.
+With --variant NAME=ARGS rlhfkit also runs with those extra step-3 arguments, in the same run.
 """
 
 from __future__ import annotations
@@ -42,22 +43,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer at the same settings")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                    help="also run rlhfkit with these extra step-3 arguments, e.g. 'unpacked=--pack_groups false'")
     ap.add_argument("--out", default="bench_grpo.json")
     args = ap.parse_args()
+    variants = {"rlhfkit": []}
+    for v in args.variant:
+        name, _, extra = v.partition("=")
+        variants[name] = extra.split()
+    results = {}
     with tempfile.TemporaryDirectory() as work:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 2), "PYTHONUNBUFFERED": "1"}
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
-               str(REPO / "step3_ppo/main.py"), "--algo", "grpo", "--reward_fn", "gsm8k", "--actor_model_name_or_path", args.model,
-               "--data_path", args.data, "--data_split", "0,0,1", "--n_samples_per_prompt", str(args.samples),
-               "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", str(args.samples),
-               "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.new_tokens), "--min_new_tokens", str(args.new_tokens),
-               "--dtype", "bf16", "--actor_zero_stage", "0", "--max_steps", str(args.steps), "--eval_fraction", "0.001",
-               "--max_eval_samples", "1", "--output_dir", os.path.join(work, "grpo"), "--progress_bar", "false"]
-        run(cmd, env)
-        rows = [json.loads(x) for x in open(os.path.join(work, "grpo", "logs", "metrics.jsonl")) if "time/step_s" in x]
+        for name, extra in variants.items():
+            results[name] = run_rlhfkit(args, extra, os.path.join(work, name), env)
         trl = None
         if args.trl:
             out = os.path.join(work, "trl.json")
@@ -65,23 +63,45 @@ def main() -> None:
                    "--steps", str(args.steps), "--samples", str(args.samples), "--new_tokens", str(args.new_tokens), "--out", out]
             run(cmd, env)
             trl = json.load(open(out))
+    print(f"\nGRPO, one rank, {os.cpu_count()} threads, bf16, 1 prompt x {args.samples} samples, {args.new_tokens} new tokens")
+    print(f"{'':<16}{'s/step':>8}{'completions/s':>15}   split (gen / exp / train s)")
+    for name, r in results.items():
+        split = r["split_s"]
+        print(f"{name:<16}{r['step_s']:>8.2f}{r['completions_per_s']:>15.3f}   "
+              f"{split['generation']:.2f} / {split['experience']:.2f} / {split['training']:.2f}   {' '.join(variants[name])}")
+    if trl is not None:
+        print(f"{'TRL ' + trl['trl_version']:<16}{trl['step_s']:>8.2f}{trl['completions_per_s']:>15.3f}   (same run, beta {trl['beta']})")
+    print(f"{'TRL (ref.)':<16}{TRL['step_s']:>8.2f}{TRL['completions_per_s']:>15.3f}   (fixed reference)")
+    main_result = results["rlhfkit"]
+    for name, r in results.items():
+        if name != "rlhfkit":
+            print(f"rlhfkit / {name}, completions/s: {main_result['completions_per_s'] / r['completions_per_s']:.2f}x")
+    if trl is not None:
+        print(f"rlhfkit / TRL same run, completions/s: {main_result['completions_per_s'] / trl['completions_per_s']:.2f}x (target >= 2x)")
+    print(f"rlhfkit / TRL fixed reference, completions/s: {main_result['completions_per_s'] / TRL['completions_per_s']:.2f}x")
+    with open(args.out, "w") as f:
+        json.dump({"rlhfkit": main_result, "variants": results, "trl_reference": TRL, "trl_same_run": trl}, f, indent=2)
+
+
+def run_rlhfkit(args, extra: list[str], out_dir: str, env: dict) -> dict:
+    """step3_ppo/main.py --algo grpo on one rank -> steady-state seconds per step (first step left out)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "1", "--master_port", str(port),
+           str(REPO / "step3_ppo/main.py"), "--algo", "grpo", "--reward_fn", "gsm8k", "--actor_model_name_or_path", args.model,
+           "--data_path", args.data, "--data_split", "0,0,1", "--n_samples_per_prompt", str(args.samples),
+           "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", str(args.samples),
+           "--max_prompt_seq_len", "256", "--max_answer_seq_len", str(args.new_tokens), "--min_new_tokens", str(args.new_tokens),
+           "--dtype", "bf16", "--actor_zero_stage", "0", "--max_steps", str(args.steps), "--eval_fraction", "0.001",
+           "--max_eval_samples", "1", "--output_dir", out_dir, "--progress_bar", "false", *extra]
+    run(cmd, env)
+    rows = [json.loads(x) for x in open(os.path.join(out_dir, "logs", "metrics.jsonl")) if "time/step_s" in x]
     timed = rows[1:] or rows
     step_s = sum(r["time/step_s"] for r in timed) / len(timed)
     split = {k: sum(r[f"time/{k}_s"] for r in timed) / len(timed) for k in ("generation", "experience", "training")}
-    result = {"step_s": step_s, "completions_per_s": args.samples / step_s, "split_s": split, "steps_timed": len(timed),
-              "reward_mean": [r["reward/score_mean"] for r in rows]}
-    print(f"\nGRPO, one rank, {os.cpu_count()} threads, bf16, 1 prompt x {args.samples} samples, {args.new_tokens} new tokens")
-    print(f"{'':<12}{'s/step':>8}{'completions/s':>15}   split (gen / exp / train s)")
-    print(f"{'rlhfkit':<12}{step_s:>8.2f}{result['completions_per_s']:>15.3f}   "
-          f"{split['generation']:.2f} / {split['experience']:.2f} / {split['training']:.2f}")
-    if trl is not None:
-        print(f"{'TRL ' + trl['trl_version']:<12}{trl['step_s']:>8.2f}{trl['completions_per_s']:>15.3f}   (same run, beta {trl['beta']})")
-    print(f"{'TRL (ref.)':<12}{TRL['step_s']:>8.2f}{TRL['completions_per_s']:>15.3f}   (fixed reference)")
-    if trl is not None:
-        print(f"rlhfkit / TRL same run, completions/s: {result['completions_per_s'] / trl['completions_per_s']:.2f}x (target >= 2x)")
-    print(f"rlhfkit / TRL fixed reference, completions/s: {result['completions_per_s'] / TRL['completions_per_s']:.2f}x")
-    with open(args.out, "w") as f:
-        json.dump({"rlhfkit": result, "trl_reference": TRL, "trl_same_run": trl}, f, indent=2)
+    return {"step_s": step_s, "completions_per_s": args.samples / step_s, "split_s": split, "steps_timed": len(timed),
+            "reward_mean": [r["reward/score_mean"] for r in rows]}
 
 
 if __name__ == "__main__":
