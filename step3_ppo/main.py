@@ -45,10 +45,14 @@ from rlhfkit.training import (  # noqa: E402
 from step3_ppo.config import Step3Config  # noqa: E402
 
 
+def attention_kernel(cfg) -> str | None:
+    return None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+
+
 def load_trained(path, kind, cfg, zero_stage, dropout, gradient_checkpointing, lora_dim, lora_modules, lr, weight_decay,
                  total_updates, pad_id, hybrid_engine=None):
     """A trained model (actor or critic) as a DeepSpeed engine."""
-    model = load_model(path, kind, dtype=cfg.dtype, dropout=dropout, pad_token_id=pad_id,
+    model = load_model(path, kind, dtype=cfg.dtype, dropout=dropout, pad_token_id=pad_id, attn_implementation=attention_kernel(cfg),
                        zero3_ds_config=init_config(zero_stage=zero_stage, dtype=cfg.dtype, offload=cfg.offload),
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights)
     if gradient_checkpointing:
@@ -64,7 +68,7 @@ def load_trained(path, kind, cfg, zero_stage, dropout, gradient_checkpointing, l
 
 def load_frozen(path, kind, cfg, zero_stage, offload, pad_id):
     """A frozen model (reference or reward) as a DeepSpeed inference engine, ZeRO-3 sharded if asked."""
-    model = load_model(path, kind, dtype=cfg.dtype, dropout=0.0, pad_token_id=pad_id,
+    model = load_model(path, kind, dtype=cfg.dtype, dropout=0.0, pad_token_id=pad_id, attn_implementation=attention_kernel(cfg),
                        zero3_ds_config=init_config(zero_stage=zero_stage, dtype=cfg.dtype),
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights)
     return build_frozen_engine(model, zero_stage=zero_stage, dtype=cfg.dtype, offload=offload,
