@@ -89,7 +89,8 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
     distinct, inverse = torch.unique_consecutive(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1), dim=0,
                                                  return_inverse=True)
     prompt_mask = distinct[:, P:].to(attention_mask.dtype)
-    out = module(input_ids=distinct[:, :P], attention_mask=prompt_mask, position_ids=position_ids(prompt_mask),
+    padded = not bool(attention_mask.all())  # without padding no mask at all, as generate does (no 4D mask built per step)
+    out = module(input_ids=distinct[:, :P], attention_mask=prompt_mask if padded else None, position_ids=position_ids(prompt_mask),
                  use_cache=True, **{cache_kw: cache}, **keep)
     logits = out.logits[:, -1].float()
     if len(distinct) < B:
@@ -114,7 +115,7 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
         unfinished &= ~torch.isin(nxt, eos)
         if t + 1 == max_new_tokens or not bool(unfinished.any()):
             break
-        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1) if padded else None
         pos = pos + 1
         out = module(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
         logits = out.logits[:, -1].float()
