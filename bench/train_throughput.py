@@ -3,11 +3,13 @@ each also as a fraction of this machine's matmul peak measured in the same run.
 
     python bench/train_throughput.py --model BASE_DIR [--steps 6] [--out bench_train.json]
     python bench/train_throughput.py --stage reward --model SFT_DIR [--steps 8]
+    python bench/train_throughput.py --stage dpo --model SFT_DIR [--steps 8]
 
 --stage sft (default): step 1 on 1 rank ZeRO-0 and on 2 ranks ZeRO-3 at the same global batch, and
 DeepSpeed-Chat's step-1 recipe (bench/dschat_baseline.py) at the 2-rank ZeRO-3 settings.
 --stage reward: step 2 on 2 ranks ZeRO-3 with packed pairs (the default) and with the two
 sequences of a pair in separate rows, and DeepSpeed-Chat's step-2 recipe, 2 pairs per rank each.
+--stage dpo: step2_dpo the same two ways (DeepSpeed-Chat has no DPO).
 
 Runs the programs for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads their metrics logs;
 the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
@@ -54,11 +56,11 @@ def free_port() -> int:
 
 def run_rlhfkit(stage: str, model: str, ranks: int, zero: int, micro: int, steps: int, seq: int, data: str, workdir: str,
                 extra: tuple[str, ...] = ()) -> dict:
-    """step1_sft (stage sft) or step2_reward (stage reward) for ``steps`` optimiser steps; samples are sequences."""
+    """step1_sft, step2_reward or step2_dpo (``stage``) for ``steps`` optimiser steps; samples are sequences."""
     out = os.path.join(workdir, f"{stage}-r{ranks}-z{zero}-{len(extra)}")
     threads = max(1, (os.cpu_count() or 2) // ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
-    program = "step1_sft/main.py" if stage == "sft" else "step2_reward/main.py"
+    program = {"sft": "step1_sft/main.py", "reward": "step2_reward/main.py", "dpo": "step2_dpo/main.py"}[stage]
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()),
            str(REPO / program), "--model_name_or_path", model, "--data_path", data, "--output_dir", out,
            "--zero_stage", str(zero), "--dtype", "bf16", "--max_seq_len", str(seq), "--per_device_train_batch_size", str(micro),
@@ -95,7 +97,7 @@ def run_dschat(stage: str, model: str, micro: int, steps: int, seq: int, data: s
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="base or SFT checkpoint directory (SmolLM2-135M: rlhfkit prepare-base)")
-    ap.add_argument("--stage", choices=["sft", "reward"], default="sft")
+    ap.add_argument("--stage", choices=["sft", "reward", "dpo"], default="sft")
     ap.add_argument("--data", default=str(HH))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seq", type=int, default=256)
@@ -120,15 +122,16 @@ def main() -> None:
                     run_dschat("sft", args.model, batch // 2, *common, work)]
         else:
             batch = args.global_batch or 4
-            runs = [run_rlhfkit("reward", args.model, 2, 3, batch // 2, *common, work),
-                    run_rlhfkit("reward", args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false")),
-                    run_dschat("reward", args.model, batch // 2, *common, work)]
+            runs = [run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work),
+                    run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false"))]
+            if args.stage == "reward":
+                runs.append(run_dschat("reward", args.model, batch // 2, *common, work))
     for r in runs:
         achieved = r["tokens_per_s"] * flop_per_token / 1e9
         r["model_gflops"] = achieved
         r["fraction_of_bf16_peak"] = achieved / peaks["bf16"]
         r["fraction_of_fp32_peak"] = achieved / peaks["fp32"]
-        if args.stage == "reward":
+        if args.stage != "sft":
             r["pairs_per_s"] = r["samples_per_s"] / 2
     unit = "samples/s" if args.stage == "sft" else "pairs/s"
     key = "samples_per_s" if args.stage == "sft" else "pairs_per_s"
@@ -145,11 +148,12 @@ def main() -> None:
     else:
         summary["packed_over_apart"] = runs[0][key] / runs[1][key]
         print(f"packed pairs / pairs in separate rows, pairs/s: {summary['packed_over_apart']:.2f}")
-    summary["rlhfkit_over_dschat"] = runs[-2 if args.stage == "sft" else 0][key] / runs[-1][key]
-    print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
-    print("(tokens/s count every real token a recipe computes: DeepSpeed-Chat's and rlhfkit's separate rows count a "
-          "pair's prompt twice, packed pairs once)")
-    print("fixed reference on this machine type: DeepSpeed-Chat step 1 ~0.80 samples/s, step 2 ~0.53 pairs/s")
+    if args.stage != "dpo":
+        summary["rlhfkit_over_dschat"] = runs[-2 if args.stage == "sft" else 0][key] / runs[-1][key]
+        print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
+    print("(tokens/s count every real token a recipe computes: separate rows count a pair's prompt twice, packed pairs once)")
+    if args.stage != "dpo":
+        print("fixed reference on this machine type: DeepSpeed-Chat step 1 ~0.80 samples/s, step 2 ~0.53 pairs/s")
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=2)
     print(f"written {args.out}")

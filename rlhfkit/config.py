@@ -99,6 +99,14 @@ class LoraArgs:
 
 
 @dataclass
+class PairArgs:
+    pack_pairs: bool = arg(True, "Train on each pair as one row: the shared prompt once, then the chosen and the "
+                                 "rejected response, each attending to the prompt and itself (a 4D attention mask; "
+                                 "same results and gradients, ~40%% fewer tokens on hh-rlhf). Evaluation always "
+                                 "runs the two sequences apart.")
+
+
+@dataclass
 class LogArgs:
     output_dir: Optional[str] = arg(None, "Where the checkpoint directory is written (required).")
     enable_tensorboard: bool = arg(False, "Write TensorBoard event files.")
@@ -183,3 +191,6 @@ def check_common(cfg: Any) -> None:
             raise ConfigError(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
     if getattr(cfg, "max_steps", None) is not None and cfg.max_steps < 1:
         raise ConfigError(f"--max_steps must be >= 1 (got {cfg.max_steps})")
+    if getattr(cfg, "pack_pairs", False) and cfg.attn_implementation.startswith("flash_attention"):
+        raise ConfigError(f"--pack_pairs needs an attention kernel that takes a 4D mask (eager, sdpa); with "
+                          f"--attn_implementation {cfg.attn_implementation} pass --pack_pairs false")

@@ -4,8 +4,10 @@
         --zero_stage 3 --beta 0.1 --output_dir out/step2_dpo
 
 The policy starts from --model_name_or_path (the step-1 model) and the same directory, loaded a
-second time and frozen, is the reference. Each batch holds chosen rows then rejected rows ([2B, T]),
-so one forward per model scores both. Loss (Rafailov et al. 2023; IPO, Azar et al. 2023):
+second time and frozen, is the reference. Each pair is one row in training (--pack_pairs: the prompt
+once, then the chosen and the rejected response, each attending to the prompt and itself); evaluation
+runs chosen rows then rejected rows ([2B, T]). One forward per model scores both sides.
+Loss (Rafailov et al. 2023; IPO, Azar et al. 2023):
     h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      ipo: (h - 1 / (2 beta))^2
 with log pi(y|x) the sum of the response tokens' log-probs. Writes a 'dpo' checkpoint directory
@@ -26,14 +28,14 @@ from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import dpo_loss, logprobs_from_logits  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import (  # noqa: E402
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, require,
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, config_dict, require,
 )
-from rlhfkit.data import collate_pairs, tokenize_pairs  # noqa: E402
+from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import load_model, load_tokenizer  # noqa: E402
+from rlhfkit.models import additive_mask, load_model, load_tokenizer  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
     batch_plan, build_frozen_engine, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary,
     run_main, start_program, to_device, train_loader, trainable_engine,
@@ -55,7 +57,7 @@ class DPOArgs:
 
 
 @dataclass
-class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, DPOArgs):
+class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs, DPOArgs):
     """DPO flags: step 1's shared flags plus the DPO loss and the reference model."""
 
     def validate(self) -> None:
@@ -93,6 +95,33 @@ def sequence_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logps.chunk(2)
 
 
+def packed_sequence_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [B], rejected [B]) summed response log-probs of a ``collate_packed_pairs`` batch (one
+    row per pair: prompt, chosen, rejected), equal to :func:`sequence_logprobs` on the two rows.
+
+    A token is predicted at the column before it, except the rejected response's first token: the
+    prompt's last column predicts it (as in the rejected row on its own), besides the chosen one's.
+    """
+    ids = batch["input_ids"]
+    logits = model(input_ids=ids, attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"],
+                   use_cache=False).logits
+    col = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    p, c_end = batch["prompt_len"].unsqueeze(1), batch["chosen_end"].unsqueeze(1) + 1  # the chosen response is [p, c_end)
+    n = batch["attention_mask"].sum(-1, keepdim=True)  # the rejected response is [c_end, n)
+    chosen, rejected_rest = (col >= p) & (col < c_end), (col > c_end) & (col < n)
+    targets = torch.where(chosen | rejected_rest, ids, torch.full_like(ids, IGNORE_INDEX))
+    lp = logprobs_from_logits(logits, torch.cat([targets[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1))  # [B, T]
+
+    def predicting(columns):  # the columns whose logits predict these columns' tokens (t predicts t+1)
+        return torch.cat([columns[:, 1:], torch.zeros_like(columns[:, :1])], dim=1).to(lp.dtype)
+
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    has_rejected = (c_end < n).squeeze(1)
+    first = torch.where(has_rejected, ids[rows, c_end.squeeze(1).clamp(max=ids.shape[1] - 1)], IGNORE_INDEX)
+    first_lp = logprobs_from_logits(logits[rows, p.squeeze(1) - 1], first)  # [B], 0 where the rejected side is empty
+    return (lp * predicting(chosen)).sum(-1), (lp * predicting(rejected_rest)).sum(-1) + first_lp
+
+
 def main() -> None:
     cfg = start_program(DPOConfig)
 
@@ -107,12 +136,16 @@ def main() -> None:
     def collate(rows):
         return collate_pairs(rows, tokenizer.pad_token_id)
 
+    def collate_train(rows):
+        return (collate_packed_pairs if cfg.pack_pairs else collate_pairs)(rows, tokenizer.pad_token_id)
+
     # 3. The policy as a DeepSpeed training engine (LoRA optional).
     plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed,
+    loader = train_loader(train_set, collate_train, plan.micro_batch, cfg.seed,
                           lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
-    engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id)
+    engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id,
+                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
     load = dict(dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights,
                 pad_token_id=tokenizer.pad_token_id)
 
@@ -131,9 +164,10 @@ def main() -> None:
 
     def dpo(batch, keep=None):
         """Policy forward (with grad), reference forward (no grad), DPO loss over this rank's pairs."""
-        policy_chosen, policy_rejected = sequence_logprobs(engine, batch)
+        logprobs = packed_sequence_logprobs if "pair_mask" in batch else sequence_logprobs
+        policy_chosen, policy_rejected = logprobs(engine, batch)
         with torch.no_grad():
-            ref_chosen, ref_rejected = sequence_logprobs(reference, batch)
+            ref_chosen, ref_rejected = logprobs(reference, batch)
         if keep is not None:  # evaluation: drop the padding pairs
             policy_chosen, policy_rejected, ref_chosen, ref_rejected = (
                 t[keep] for t in (policy_chosen, policy_rejected, ref_chosen, ref_rejected))
@@ -175,7 +209,8 @@ def main() -> None:
     result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
                  epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
                  log_interval=cfg.log_interval, logger=logger, program="dpo", progress_bar=cfg.progress_bar,
-                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps)
+                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps,
+                 sequences_per_row=2 if cfg.pack_pairs else 1)
     first, last = result.evals[0], result.evals[-1]
     metrics = {f"eval_{k}_{when}": ev[k] for when, ev in (("before", first), ("after", last))
                for k in ("accuracy", "margin", "chosen_reward", "rejected_reward", "loss") if k in ev}

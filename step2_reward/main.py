@@ -21,11 +21,10 @@ from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import pairwise_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import (  # noqa: E402
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, arg, check_common, config_dict, require,
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, config_dict, require,
 )
 from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.rewards import score_pairs  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
@@ -35,23 +34,16 @@ from rlhfkit.training import (  # noqa: E402
 
 
 @dataclass
-class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs):
+class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs):
     """Step 2 flags: those of step 1 (DeepSpeed-Chat names). No --num_padding_at_beginning: the
     score is read at the last real token, whatever the padding."""
 
     learning_rate: float = arg(5e-6, "Peak learning rate.")
     per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
-    pack_pairs: bool = arg(True, "Train on each pair as one row: the shared prompt once, then the chosen and the "
-                                 "rejected response, each attending to the prompt and itself (a 4D attention mask; "
-                                 "same scores and gradients, ~40%% fewer tokens on hh-rlhf). Evaluation always "
-                                 "scores the two sequences apart, as evaluate.py does.")
 
     def validate(self) -> None:
         require(self, "model_name_or_path", "data_path", "output_dir")
         check_common(self)
-        if self.pack_pairs and self.attn_implementation.startswith("flash_attention"):
-            raise ConfigError(f"--pack_pairs needs an attention kernel that takes a 4D mask (eager, sdpa); with "
-                              f"--attn_implementation {self.attn_implementation} pass --pack_pairs false")
 
 
 def main() -> None:

@@ -120,3 +120,44 @@ def test_sequence_logprobs_sum_response_tokens_only(tiny_dir):
             logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
             expected.append(sum(logp[t - 1, seq[t]].item() for t in range(plen, len(seq))))
     torch.testing.assert_close(torch.cat([chosen, rejected]), torch.tensor(expected), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_packed_pairs_give_the_logprobs_and_gradients_of_two_rows(tiny_dir, tokenizer, shared_data, attn):
+    """One packed row per pair (prompt once, then chosen, then rejected) gives the summed response
+    log-probs, the DPO loss and every gradient of the chosen and rejected rows run apart (fp32, real
+    hh-rlhf pairs, some cut so that a side is short or empty)."""
+    from rlhfkit.algos import dpo_loss
+    from rlhfkit.data import collate_packed_pairs, collate_pairs, load_phase_data, tokenize_pairs
+    from rlhfkit.models import load_model
+
+    program = _program()
+    rows, _, _ = load_phase_data(str(shared_data / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"), 2, "pairs")
+    features, _ = tokenize_pairs(rows[:4], tokenizer, max_seq_len=96)
+    features.append({**features[0], "rejected_input_ids": features[0]["chosen_input_ids"][:features[0]["prompt_len"]]})
+    model = load_model(str(tiny_dir), "causal_lm", dtype="fp32", pad_token_id=tokenizer.pad_token_id, attn_implementation=attn)
+    ref = (torch.linspace(-30, -20, len(features)), torch.linspace(-25, -35, len(features)))
+
+    def run(logprobs, batch):
+        model.zero_grad()
+        chosen, rejected = logprobs(model, batch)
+        loss, _, _ = dpo_loss(chosen, rejected, *ref, beta=0.1)
+        loss.backward()
+        return chosen.detach(), rejected.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want = run(program.sequence_logprobs, collate_pairs(features, tokenizer.pad_token_id))
+    got = run(program.packed_sequence_logprobs, collate_packed_pairs(features, tokenizer.pad_token_id))
+    assert want[1][-1] == 0  # the empty rejected side sums nothing, packed or not
+    for g, w in zip(got[:3], want[:3]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+    for g, w in zip(got[3], want[3]):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("program", ["step2_reward/main.py", "step2_dpo/main.py"])
+def test_pair_packing_refuses_flash_attention(tiny_dir, pref_data, tmp_path, program):
+    proc = run_program(program, dpo_args(tiny_dir, pref_data, tmp_path / "o", "--attn_implementation", "flash_attention_2"),
+                       nprocs=0, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert ("--pack_pairs needs an attention kernel that takes a 4D mask (eager, sdpa); with --attn_implementation "
+            "flash_attention_2 pass --pack_pairs false") in proc.stderr

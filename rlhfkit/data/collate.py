@@ -59,7 +59,8 @@ def collate_packed_pairs(features: Sequence[dict], pad_token_id: int) -> dict[st
     [B, T] (the rejected response restarts where the prompt ends); pair_mask [B, T, T] bool (query
     row may attend to key column: causal, but the rejected response does not see the chosen one and
     padding sees only itself); chosen_end / rejected_end [B] (the column of each side's last real
-    token, where its score is read: the same token as in a ``collate_pairs`` row).
+    token, where its score is read: the same token as in a ``collate_pairs`` row); prompt_len [B]
+    (the shared prompt's tokens: the chosen response starts at that column).
 
     A row thus computes exactly what the two rows of ``collate_pairs`` compute, with the prompt's
     tokens run once (about 40% fewer tokens on hh-rlhf at 256).
@@ -87,7 +88,8 @@ def collate_packed_pairs(features: Sequence[dict], pad_token_id: int) -> dict[st
     chosen_end = torch.tensor([c_end - 1 for _, c_end, _ in spans], dtype=torch.long)
     rejected_end = torch.tensor([n - 1 if n > c_end else p - 1 for p, c_end, n in spans], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": pos, "pair_mask": pair_mask,
-            "chosen_end": chosen_end, "rejected_end": rejected_end}
+            "chosen_end": chosen_end, "rejected_end": rejected_end,
+            "prompt_len": torch.tensor([p for p, _, _ in spans], dtype=torch.long)}
 
 
 def collate_prompts(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
