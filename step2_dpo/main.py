@@ -84,8 +84,12 @@ def response_labels(batch: dict) -> torch.Tensor:
     ids = batch["input_ids"]
     position = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
     scored = (batch["attention_mask"] == 1) & (position >= batch["prompt_len"].unsqueeze(1))
-    targets = torch.where(scored, ids, torch.full_like(ids, IGNORE_INDEX))
-    return torch.cat([targets[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1)  # logits at t predict t+1
+    return at_predicting_column(torch.where(scored, ids, torch.full_like(ids, IGNORE_INDEX)), IGNORE_INDEX)
+
+
+def at_predicting_column(x: torch.Tensor, fill) -> torch.Tensor:
+    """``x`` [N, T] moved one column left (the logits at column t predict the token at t+1), ``fill`` at the end."""
+    return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
 
 
 def sequence_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,21 +109,17 @@ def packed_sequence_logprobs(model, batch: dict) -> tuple[torch.Tensor, torch.Te
     ids = batch["input_ids"]
     logits = model(input_ids=ids, attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"],
                    use_cache=False).logits
-    col = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    p, c_end = batch["prompt_len"].unsqueeze(1), batch["chosen_end"].unsqueeze(1) + 1  # the chosen response is [p, c_end)
-    n = batch["attention_mask"].sum(-1, keepdim=True)  # the rejected response is [c_end, n)
-    chosen, rejected_rest = (col >= p) & (col < c_end), (col > c_end) & (col < n)
+    rows, col = torch.arange(ids.shape[0], device=ids.device), torch.arange(ids.shape[1], device=ids.device)
+    p, c_end = batch["prompt_len"], batch["chosen_end"] + 1  # the chosen response is [p, c_end)
+    n = batch["attention_mask"].sum(-1)  # the rejected response is [c_end, n)
+    chosen = (col >= p[:, None]) & (col < c_end[:, None])
+    rejected_rest = (col > c_end[:, None]) & (col < n[:, None])
     targets = torch.where(chosen | rejected_rest, ids, torch.full_like(ids, IGNORE_INDEX))
-    lp = logprobs_from_logits(logits, torch.cat([targets[:, 1:], torch.full_like(ids[:, :1], IGNORE_INDEX)], dim=1))  # [B, T]
-
-    def predicting(columns):  # the columns whose logits predict these columns' tokens (t predicts t+1)
-        return torch.cat([columns[:, 1:], torch.zeros_like(columns[:, :1])], dim=1).to(lp.dtype)
-
-    rows = torch.arange(ids.shape[0], device=ids.device)
-    has_rejected = (c_end < n).squeeze(1)
-    first = torch.where(has_rejected, ids[rows, c_end.squeeze(1).clamp(max=ids.shape[1] - 1)], IGNORE_INDEX)
-    first_lp = logprobs_from_logits(logits[rows, p.squeeze(1) - 1], first)  # [B], 0 where the rejected side is empty
-    return (lp * predicting(chosen)).sum(-1), (lp * predicting(rejected_rest)).sum(-1) + first_lp
+    lp = logprobs_from_logits(logits, at_predicting_column(targets, IGNORE_INDEX))  # [B, T]
+    first = torch.where(c_end < n, ids[rows, c_end.clamp(max=ids.shape[1] - 1)], IGNORE_INDEX)
+    first_lp = logprobs_from_logits(logits[rows, p - 1], first)  # [B], 0 where the rejected side is empty
+    return ((lp * at_predicting_column(chosen, False)).sum(-1),
+            (lp * at_predicting_column(rejected_rest, False)).sum(-1) + first_lp)
 
 
 def main() -> None:

@@ -256,9 +256,7 @@ def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationCo
     if not synced_gpus:
         from rlhfkit.rollout.sampling import decode
 
-        new = decode(module, hf_model_of(module), input_ids, attention_mask, max_new_tokens=gen.max_new_tokens,
-                     min_new_tokens=gen.min_new_tokens, do_sample=gen.do_sample, temperature=gen.temperature, top_k=gen.top_k,
-                     top_p=gen.top_p, eos_ids=gen.eos_ids, pad_token_id=gen.pad_token_id)
+        new = decode(module, hf_model_of(module), input_ids, attention_mask, gen)
         return postprocess(input_ids, attention_mask, new, gen.eos_ids, gen.pad_token_id)
     with isolated_generation_config(hf_model_of(module)), torch.no_grad():
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen.to_hf(),

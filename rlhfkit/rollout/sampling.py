@@ -16,11 +16,14 @@ processors are transformers' own (``TemperatureLogitsWarper``, ``TopKLogitsWarpe
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlhfkit.models.value import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
+
+if TYPE_CHECKING:
+    from rlhfkit.rollout.base import GenerationConfig
 
 
 def sample_from_probs(probs: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,11 @@ def _new_cache(hf_model: torch.nn.Module) -> Any:
 
 
 @torch.no_grad()
-def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-           max_new_tokens: int, min_new_tokens: int, do_sample: bool, temperature: float, top_k: int, top_p: float,
-           eos_ids: list[int], pad_token_id: int) -> torch.Tensor:
-    """Generate after left-padded prompts ``input_ids`` [B, P] -> the new tokens [B, G], G <= max_new_tokens
-    (``pad_token_id`` after a row's first EOS; the loop stops when every row has one).
+def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+           gen: "GenerationConfig") -> torch.Tensor:
+    """Generate with ``gen`` after left-padded prompts ``input_ids`` [B, P] -> the new tokens [B, G],
+    G <= gen.max_new_tokens (``gen.pad_token_id`` after a row's first EOS; the loop stops when every
+    row has one).
 
     ``module`` is called (a plain or peft model); ``hf_model`` is the transformers model under it.
     Positions skip the left padding as in ``generate``.
@@ -80,8 +83,8 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
     dev = input_ids.device
     cache_kw, has_keep = _forward_kwargs(hf_model)
     keep = {"logits_to_keep": 1} if has_keep else {}
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=dev)
-    steps = warpers(temperature, top_k, top_p) if do_sample else []
+    eos = torch.tensor(gen.eos_ids, dtype=torch.long, device=dev)
+    steps = warpers(gen.temperature, gen.top_k, gen.top_p) if gen.do_sample else []
     cache = _new_cache(hf_model)
 
     # prefill: each distinct prompt once, then its KV cache and logits copied to its rows
@@ -101,19 +104,19 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
     mask, pos = attention_mask, position_ids(attention_mask)[:, -1:]
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)
     tokens = []
-    for t in range(max_new_tokens):
-        if t < min_new_tokens:
+    for t in range(gen.max_new_tokens):
+        if t < gen.min_new_tokens:
             logits[:, eos] = float("-inf")
-        if do_sample:
+        if gen.do_sample:
             for warp in steps:
                 logits = warp(None, logits)
             nxt = sample_from_probs(torch.softmax(logits, dim=-1))
         else:
             nxt = logits.argmax(dim=-1)
-        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad_token_id))
+        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, gen.pad_token_id))
         tokens.append(nxt)
         unfinished &= ~torch.isin(nxt, eos)
-        if t + 1 == max_new_tokens or not bool(unfinished.any()):
+        if t + 1 == gen.max_new_tokens or not bool(unfinished.any()):
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1) if padded else None
         pos = pos + 1
