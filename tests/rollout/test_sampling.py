@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
-from rlhfkit.rollout.sampling import sample_from_probs, warpers
+from rlhfkit.rollout.sampling import packed_linears, sample_from_probs, warpers
 
 
 def test_sample_from_probs_draws_the_distribution():
@@ -52,3 +52,48 @@ def test_first_token_follows_the_warped_policy():
     freq = torch.bincount(out.response_ids[:, 0], minlength=50).float() / n
     assert set(out.response_ids[:, 0].tolist()) <= set(top.indices.tolist())
     torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
+
+
+def test_packed_linears_return_f_linear_bits_at_decode_sizes_and_restore_forward():
+    """bf16 CPU layers inside packed_linears: inputs of up to ``rows`` rows go through oneDNN's
+    packed op and give F.linear's exact bits; larger inputs and other layers are untouched; every
+    forward (also one a layer had of its own) is back on exit."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
+    fp32 = torch.nn.Linear(8, 8)
+    own = lambda x: x  # noqa: E731
+    net[1].forward = own
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a)):
+        with torch.no_grad(), packed_linears(torch.nn.ModuleList([net, fp32]), rows=4):
+            assert "forward" not in fp32.__dict__
+            for shape in [(1, 576), (4, 1, 576), (3, 576), (2, 64, 576)]:
+                x = torch.randn(*shape, dtype=torch.bfloat16)
+                assert torch.equal(net[0](x), torch.nn.functional.linear(x, net[0].weight, net[0].bias)), shape
+                y = torch.randn(*shape[:-1], 1536, dtype=torch.bfloat16)
+                assert torch.equal(net[1](y), torch.nn.functional.linear(y, net[1].weight)), shape
+    assert len(calls) == 6 and all(s.numel() <= 4 * 1536 for s in calls)  # the 2x64-row inputs took F.linear
+    assert net[1].forward is own and "forward" not in net[0].__dict__ and "forward" not in fp32.__dict__
+
+
+def test_bf16_decode_with_packed_layers_gives_generate_s_greedy_tokens():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, initializer_range=0.2, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(3, 1000, (4, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    gen = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=[999], pad_token_id=0)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a)):
+        got = make_rollout_engine("hf", model).generate(PromptBatch(ids, mask), gen)
+    assert len(calls) == 11 * (2 * 7 + 1) + 1  # 11 decode steps x (2 layers x 7 projections + lm_head), the prefill's lm_head
+    model.generation_config = type(model.generation_config)()
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[999],
+                              pad_token_id=0)[:, 6:]
+    assert torch.equal(got.response_ids, want)
+    assert not any("forward" in m.__dict__ for m in model.modules())
