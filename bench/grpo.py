@@ -10,6 +10,9 @@ steady-state seconds per step and completions/s (first step left out). A figure,
 
 With --trl (needs `pip install trl`; not a dependency of rlhfkit) TRL's GRPOTrainer runs at the same
 settings in the same minutes (bench/trl_grpo_baseline.py) and the ratio is taken against it too.
+With --rounds R everything runs R times in turn (rlhfkit, variants, TRL, then again), so that a
+drift of the machine's speed within the run (these VMs change by 1.5x within minutes) falls on
+both sides; each round's ratio is printed and the table holds the means over rounds.
 With --variant NAME=ARGS rlhfkit also runs with those extra step-3 arguments, in the same run.
 """
 
@@ -45,24 +48,29 @@ def main() -> None:
     ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer at the same settings")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                     help="also run rlhfkit with these extra step-3 arguments, e.g. 'unpacked=--pack_groups false'")
+    ap.add_argument("--rounds", type=int, default=1, help="run everything this many times in turn; means over rounds")
     ap.add_argument("--out", default="bench_grpo.json")
     args = ap.parse_args()
     variants = {"rlhfkit": []}
     for v in args.variant:
         name, _, extra = v.partition("=")
         variants[name] = extra.split()
-    results = {}
+    rounds: list[dict] = []
     with tempfile.TemporaryDirectory() as work:
         env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count() or 2), "PYTHONUNBUFFERED": "1"}
-        for name, extra in variants.items():
-            results[name] = run_rlhfkit(args, extra, os.path.join(work, name), env)
-        trl = None
-        if args.trl:
-            out = os.path.join(work, "trl.json")
-            cmd = [sys.executable, str(REPO / "bench/trl_grpo_baseline.py"), "--model", args.model, "--data", args.data,
-                   "--steps", str(args.steps), "--samples", str(args.samples), "--new_tokens", str(args.new_tokens), "--out", out]
-            run(cmd, env)
-            trl = json.load(open(out))
+        for r in range(args.rounds):
+            got = {name: run_rlhfkit(args, extra, os.path.join(work, f"{name}-{r}"), env) for name, extra in variants.items()}
+            if args.trl:
+                out = os.path.join(work, f"trl-{r}.json")
+                cmd = [sys.executable, str(REPO / "bench/trl_grpo_baseline.py"), "--model", args.model, "--data", args.data,
+                       "--steps", str(args.steps), "--samples", str(args.samples), "--new_tokens", str(args.new_tokens), "--out", out]
+                run(cmd, env)
+                got["TRL"] = json.load(open(out))
+                print(f"round {r + 1}: rlhfkit {got['rlhfkit']['step_s']:.2f} s/step, TRL {got['TRL']['step_s']:.2f} s/step: "
+                      f"{got['TRL']['step_s'] / got['rlhfkit']['step_s']:.2f}x", flush=True)
+            rounds.append(got)
+    results = {name: mean_result([g[name] for g in rounds]) for name in variants}
+    trl = mean_result([g["TRL"] for g in rounds]) if args.trl else None
     print(f"\nGRPO, one rank, {os.cpu_count()} threads, bf16, 1 prompt x {args.samples} samples, {args.new_tokens} new tokens")
     print(f"{'':<16}{'s/step':>8}{'completions/s':>15}   split (gen / exp / train s)")
     for name, r in results.items():
@@ -80,7 +88,18 @@ def main() -> None:
         print(f"rlhfkit / TRL same run, completions/s: {main_result['completions_per_s'] / trl['completions_per_s']:.2f}x (target >= 2x)")
     print(f"rlhfkit / TRL fixed reference, completions/s: {main_result['completions_per_s'] / TRL['completions_per_s']:.2f}x")
     with open(args.out, "w") as f:
-        json.dump({"rlhfkit": main_result, "variants": results, "trl_reference": TRL, "trl_same_run": trl}, f, indent=2)
+        json.dump({"rlhfkit": main_result, "variants": results, "trl_reference": TRL, "trl_same_run": trl, "rounds": rounds}, f,
+                  indent=2)
+
+
+def mean_result(runs: list[dict]) -> dict:
+    """The mean over rounds of one configuration's figures (the first round's other fields)."""
+    out = dict(runs[0])
+    for key in ("step_s", "completions_per_s"):
+        out[key] = sum(r[key] for r in runs) / len(runs)
+    if "split_s" in out:
+        out["split_s"] = {k: sum(r["split_s"][k] for r in runs) / len(runs) for k in out["split_s"]}
+    return out
 
 
 def run_rlhfkit(args, extra: list[str], out_dir: str, env: dict) -> dict:
