@@ -44,8 +44,10 @@ def sample_from_probs(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """oneDNN is built in, has these ops, and runs bf16 on this CPU."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and all(hasattr(ops, op) for op in (
+        "_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")) and bool(ops._is_mkldnn_bf16_supported()))
 
 
 @contextlib.contextmanager

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
-from rlhfkit.rollout.sampling import packed_linears, sample_from_probs, warpers
+from rlhfkit.rollout.sampling import _can_pack, packed_linears, sample_from_probs, warpers
+
+needs_onednn_bf16 = pytest.mark.skipif(not _can_pack(), reason="oneDNN does not run bf16 on this CPU: packed_linears leaves layers alone")
 
 
 def test_sample_from_probs_draws_the_distribution():
@@ -54,6 +57,7 @@ def test_first_token_follows_the_warped_policy():
     torch.testing.assert_close(freq, want, atol=0.03, rtol=0)
 
 
+@needs_onednn_bf16
 def test_packed_linears_return_f_linear_bits_at_decode_sizes_and_restore_forward():
     """bf16 CPU layers inside packed_linears: inputs of up to ``rows`` rows go through oneDNN's
     packed op and give F.linear's exact bits; larger inputs and other layers are untouched; every
@@ -77,6 +81,7 @@ def test_packed_linears_return_f_linear_bits_at_decode_sizes_and_restore_forward
     assert net[1].forward is own and "forward" not in net[0].__dict__ and "forward" not in fp32.__dict__
 
 
+@needs_onednn_bf16
 def test_bf16_decode_with_packed_layers_gives_generate_s_greedy_tokens():
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
