@@ -35,7 +35,7 @@ from rlhfkit.data.tokenize import IGNORE_INDEX  # noqa: E402
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import additive_mask, load_model, load_tokenizer  # noqa: E402
+from rlhfkit.models import additive_mask, attention_kernel_of, load_model, load_tokenizer  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
     batch_plan, build_frozen_engine, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary,
     run_main, start_program, to_device, train_loader, trainable_engine,
@@ -150,9 +150,11 @@ def main() -> None:
                 pad_token_id=tokenizer.pad_token_id)
 
     # 4. The reference: the same directory loaded again, frozen, as an inference engine in eval mode
-    #    (sharded under ZeRO-3, parameters in CPU memory with --offload_reference_model).
+    #    (sharded under ZeRO-3, parameters in CPU memory with --offload_reference_model), with the
+    #    policy's attention kernel: in bf16 eager and SDPA round differently, and the implicit
+    #    rewards beta * (log pi - log ref) must be exactly 0 while the policy is the reference.
     ref_stage = cfg.reference_zero_stage
-    ref_model = load_model(cfg.model_name_or_path, "causal_lm",
+    ref_model = load_model(cfg.model_name_or_path, "causal_lm", attn_implementation=attention_kernel_of(engine),
                            zero3_ds_config=init_config(zero_stage=ref_stage, dtype=cfg.dtype,
                                                        offload=cfg.offload_reference_model), **load)
     reference = build_frozen_engine(ref_model, zero_stage=ref_stage, dtype=cfg.dtype,

@@ -60,10 +60,15 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
 
 
+def attention_kernel_of(model: Any) -> str | None:
+    """The attention kernel ``model`` (possibly in a DeepSpeed engine or peft wrapper) runs: eager, sdpa, ..."""
+    return getattr(_unwrap(model).config, "_attn_implementation", None)
+
+
 def takes_4d_mask(model: Any) -> bool:
     """Whether ``model``'s attention kernel takes an arbitrary 4D mask (eager and SDPA do; the flash
     kernels take only padding)."""
-    return getattr(_unwrap(model).config, "_attn_implementation", None) in ("eager", "sdpa")
+    return attention_kernel_of(model) in ("eager", "sdpa")
 
 
 def attention_span(model: Any) -> float | None:
