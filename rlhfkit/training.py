@@ -213,6 +213,10 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         dist.print_rank0(f"ZeRO-3 gathers each {', '.join(c.__name__ for c in leaves)} as one unit" if leaves else
                          "ZeRO-3 gathers parameters module by module (the model lists no transformer block classes)")
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
+    if zero_stage == 0 and engine.dp_world_size == 1:
+        # One data-parallel rank: nothing to average, yet DeepSpeed would flatten, "all-reduce" and copy
+        # back every gradient after each backward (0.2 s of a bf16 step on 135M on the CPU). Same bits without.
+        engine.enable_backward_allreduce = False
     return engine
 
 
