@@ -1,6 +1,6 @@
 """The sampling loop of the ``hf`` rollout backend: KV-cached decoding of a Hugging Face causal LM
 with exactly the semantics of ``generate(do_sample, temperature, top_k, top_p, min_new_tokens,
-eos_token_id, pad_token_id)``, minus two costs that matter on small models:
+eos_token_id, pad_token_id)``, minus costs that matter on small models:
 
 - ``torch.multinomial`` draws one exponential variate per vocabulary entry (49k for SmolLM2): 4.6 ms
   a token at batch 4 on two CPU threads, ~10% of a decode step. :func:`sample_from_probs` inverts the
@@ -10,6 +10,9 @@ eos_token_id, pad_token_id)``, minus two costs that matter on small models:
 - On the CPU, bf16 linear layers run from weights reordered once per call into oneDNN's blocked
   layout (:func:`packed_linears`, as torch.compile's CPU backend does for frozen weights): the
   same results, bit for bit, without oneDNN reordering every weight matrix at every token.
+- Llama-architecture models on the CPU decode through :func:`~rlhfkit.rollout.fast_decode.llama_decoder`
+  after the prefill: the model's own layers and the same logits, without transformers' per-call
+  machinery around them (~15% of a decode step of SmolLM2-135M).
 
 Greedy decoding returns exactly the tokens of ``generate(do_sample=False)`` (tested against it); the
 processors are transformers' own (``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlhfkit.models.value import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
+from rlhfkit.rollout.fast_decode import llama_decoder
 
 if TYPE_CHECKING:
     from rlhfkit.rollout.base import GenerationConfig
@@ -161,6 +165,9 @@ def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch
     del out
 
     mask, pos = attention_mask, position_ids(attention_mask)[:, -1:]
+    fast = llama_decoder(hf_model, cache, P + gen.max_new_tokens) if gen.max_new_tokens > 1 else None
+    if fast is not None:
+        del cache  # its KV now lives in the decoder's buffers
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)
     tokens = []
     for t in range(gen.max_new_tokens):
@@ -179,6 +186,9 @@ def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1) if padded else None
         pos = pos + 1
+        if fast is not None:
+            logits = fast(nxt, pos, None if mask is None else mask[:, None, None, :].bool())
+            continue
         out = module(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True, **{cache_kw: cache}, **keep)
         logits = out.logits[:, -1].float()
         del out

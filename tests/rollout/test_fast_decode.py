@@ -1,0 +1,98 @@
+"""The Llama decode step of the hf backend (rlhfkit.rollout.fast_decode): where it runs, and that it
+gives the model's own tokens (greedy decoding equals ``generate``, padded prompts included)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
+from rlhfkit.rollout.fast_decode import supports
+
+PAD = 0
+
+
+def tiny_llama(dtype: torch.dtype, attn: str = "sdpa", kv_heads: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, initializer_range=0.2, eos_token_id=None, pad_token_id=PAD,
+                      attn_implementation=attn)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def generate(model, ids, mask, new: int, pad: int = PAD) -> torch.Tensor:
+    model.generation_config = type(model.generation_config)()
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=[999],
+                              pad_token_id=pad)[:, ids.shape[1]:]
+
+
+def decode_counting_forwards(model, ids, mask, new: int, pad: int = PAD) -> tuple[torch.Tensor, int]:
+    """The hf backend's greedy tokens and how many times the transformers body (``model.model``) ran."""
+    calls = []
+    body = model.model
+    body.register_forward_pre_hook(lambda *_: calls.append(1))
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=[999], pad_token_id=pad)
+    try:
+        got = make_rollout_engine("hf", model).generate(PromptBatch(ids, mask), gen).response_ids
+    finally:
+        body._forward_pre_hooks.clear()
+    return got, len(calls)
+
+
+def prompts(rows: int = 4, length: int = 7, vocab: int = 1000) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = PAD, 0
+    ids[3, :5], mask[3, :5] = PAD, 0
+    return ids, mask
+
+
+def test_runs_only_where_checked():
+    assert supports(tiny_llama(torch.float32))
+    assert not supports(tiny_llama(torch.float32, attn="eager"))
+    assert not supports(tiny_llama(torch.float32).train())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("padded", [True, False])
+def test_greedy_tokens_equal_generate_and_the_body_runs_once(dtype, kv_heads, padded):
+    """Grouped-query (2 or 4 query heads a KV head) and multi-head attention, with and without left
+    padding: the tokens of ``generate``; the transformers body runs for the prefill only."""
+    model = tiny_llama(dtype, kv_heads=kv_heads)
+    ids, mask = prompts()
+    if not padded:
+        ids, mask = ids[[0, 2]], mask[[0, 2]]
+    got, body_calls = decode_counting_forwards(model, ids, mask, 12)
+    assert body_calls == 1
+    assert torch.equal(got, generate(model, ids, mask, 12))
+
+
+def test_eager_attention_keeps_the_model_forward():
+    model = tiny_llama(torch.float32, attn="eager")
+    ids, mask = prompts()
+    got, body_calls = decode_counting_forwards(model, ids, mask, 6)
+    assert body_calls == 6  # the prefill and 5 decode steps
+    assert torch.equal(got, generate(model, ids, mask, 6))
+
+
+def test_smollm2_bf16_on_gsm8k_prompts_gives_generate_s_tokens(base_dir, tokenizer, shared_data):
+    """The real default model (30 layers, 9 query heads on 3 KV heads) in bf16, two real GSM8K
+    questions of different lengths (so one row is left-padded), 24 greedy tokens."""
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    with open(shared_data / "gsm8k" / "test_first1000.jsonl") as f:
+        questions = [json.loads(next(f))["question"] for _ in range(2)]
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
+            for q in questions]
+    rows = [list(r["input_ids"]) if isinstance(r, dict) or hasattr(r, "keys") else list(r) for r in rows]
+    width, pad = max(map(len, rows)), tokenizer.pad_token_id
+    assert min(map(len, rows)) < width  # one row left-padded
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    got, body_calls = decode_counting_forwards(model, ids, mask, 24, pad)
+    assert body_calls == 1
+    assert torch.equal(got, generate(model, ids, mask, 24, pad))
