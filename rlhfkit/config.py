@@ -40,7 +40,8 @@ class ModelArgs:
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
     attn_implementation: str = arg(
         "auto", "Attention kernel of the trained model, passed to transformers (sdpa, eager, flash_attention_2, ...). "
-        "auto: eager on the CPU up to --max_seq_len 512 (its backward is faster there), else the model's default.")
+        "auto: eager on the CPU up to --max_seq_len 512 (its backward is faster there; not in bf16 on a CPU "
+        "without bf16 kernels), else the model's default.")
 
 
 @dataclass

@@ -3,15 +3,23 @@
 import torch
 
 from rlhfkit.models import load_model, train_attention
+from rlhfkit.models.cpu_bf16 import ENV
 
 
-def test_auto_rule():
+def test_auto_rule(monkeypatch):
     assert train_attention("auto", 256, on_cuda=False) == "eager"
     assert train_attention("auto", 512, on_cuda=False) == "eager"
     assert train_attention("auto", 513, on_cuda=False) is None  # the model's default (SDPA)
     assert train_attention("auto", 256, on_cuda=True) is None
     assert train_attention("sdpa", 256, on_cuda=False) == "sdpa"
     assert train_attention("flash_attention_2", 4096, on_cuda=True) == "flash_attention_2"
+    # bf16 with fp32 products (a CPU without bf16 kernels): eager's bf16 matmuls would take the slow path
+    monkeypatch.setenv(ENV, "fp32")
+    assert train_attention("auto", 256, on_cuda=False, dtype="bf16") is None
+    assert train_attention("auto", 256, on_cuda=False, dtype="fp32") == "eager"
+    assert train_attention("eager", 256, on_cuda=False, dtype="bf16") == "eager"
+    monkeypatch.setenv(ENV, "native")
+    assert train_attention("auto", 256, on_cuda=False, dtype="bf16") == "eager"
 
 
 def _loss_and_grads(path, attn, ids, mask):

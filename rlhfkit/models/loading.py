@@ -17,6 +17,8 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rlhfkit.errors import CheckpointError
+from rlhfkit.models import cpu_bf16
+from rlhfkit.models.cpu_bf16 import fp32_matmul_linears
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout")
@@ -137,22 +139,26 @@ def load_model(
         use_safetensors=None if allow_pickle else True, attn_implementation=attn_implementation,
     )
     del keep_alive
+    fp32_matmul_linears(model)  # an AVX2-only CPU has no bf16 GEMM worth the name
     if kind == "causal_lm" and hasattr(model, "generation_config") and model.generation_config is not None:
         model.generation_config.pad_token_id = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
     return model
 
 
-def train_attention(choice: str, max_seq_len: int, on_cuda: bool) -> Optional[str]:
+def train_attention(choice: str, max_seq_len: int, on_cuda: bool, dtype: str = "fp32") -> Optional[str]:
     """The attention kernel of a model trained with sequences of up to ``max_seq_len`` tokens.
 
     ``auto``: on the CPU, up to 512 tokens, the plain matmul ("eager") attention; its backward pass
     is faster than torch's CPU flash-attention backward (SmolLM2-135M, bf16, one thread: 4x256
-    tokens 3.3 s vs 3.7 s a forward+backward; at 1x1024 SDPA wins, 4.8 s vs 5.5 s). Elsewhere the
-    model's default (SDPA). Any other value is passed to transformers as it is.
+    tokens 3.3 s vs 3.7 s a forward+backward; at 1x1024 SDPA wins, 4.8 s vs 5.5 s). Not in bf16 on
+    a CPU without bf16 kernels (:mod:`rlhfkit.models.cpu_bf16`): there eager's bf16 matmuls take the
+    slow path (1x360 tokens, 2 threads, AVX2: 11.4 s vs 7.7 s). Elsewhere the model's default
+    (SDPA). Any other value is passed to transformers as it is.
     """
     if choice != "auto":
         return choice
-    return "eager" if not on_cuda and max_seq_len <= 512 else None
+    slow_bf16 = dtype == "bf16" and cpu_bf16.wanted()
+    return "eager" if not on_cuda and max_seq_len <= 512 and not slow_bf16 else None
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -9,7 +9,9 @@ embedding: the model's own, so LoRA layers and :func:`~rlhfkit.rollout.sampling.
 as usual) and transformers' own ``apply_rotary_pos_emb``, with the same attention call as
 transformers' SDPA path for one query token, on a KV cache allocated once at its full length. The
 logits are those of ``model(...)`` bit for bit (tested: greedy tokens equal ``generate``'s, with and
-without left padding).
+without left padding). On a CPU without bf16 kernels a bf16 model attends in fp32 from fp32 KV
+buffers, as its linear layers multiply in fp32 there (:mod:`rlhfkit.models.cpu_bf16`); the sums
+then differ from ``model(...)``'s in order and rounding only (tested: the same greedy tokens).
 
 Used only where that has been checked: a ``llama`` model on the CPU running SDPA attention, in eval
 mode. Everything else (other architectures, eager attention, CUDA) keeps the model's own forward.
@@ -21,6 +23,8 @@ import sys
 from typing import Any, Callable, Optional
 
 import torch
+
+from rlhfkit.models import cpu_bf16
 
 Step = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
@@ -51,10 +55,14 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
     groups = heads // kv_heads
     past = [(layer.keys, layer.values) for layer in cache.layers[: len(layers)]]
     rows, _, length, _ = past[0][0].shape
+    # On a CPU without bf16 kernels (rlhfkit.models.cpu_bf16) a bf16 model attends in fp32, from buffers
+    # kept in fp32 (the bf16 keys and values converted exactly, once)
+    upcast = past[0][0].dtype == torch.bfloat16 and cpu_bf16.wanted()
+    buffer_dtype = torch.float32 if upcast else past[0][0].dtype
     keys, values = [], []
     for k, v in past:
-        keys.append(k.new_empty(rows, kv_heads, capacity, head_dim))
-        values.append(v.new_empty(rows, kv_heads, capacity, head_dim))
+        keys.append(k.new_empty(rows, kv_heads, capacity, head_dim, dtype=buffer_dtype))
+        values.append(v.new_empty(rows, kv_heads, capacity, head_dim, dtype=buffer_dtype))
         keys[-1][:, :, :length] = k
         values[-1][:, :, :length] = v
     del past
@@ -75,7 +83,8 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
             q, k = rope(q, k, cos, sin)
             keys[i][:, :, t] = k[:, :, 0]
             values[i][:, :, t] = v[:, :, 0]
-            o = _attention(q, keys[i][:, :, : t + 1], values[i][:, :, : t + 1], mask, groups, attn.scaling)
+            o = _attention(q.to(buffer_dtype), keys[i][:, :, : t + 1], values[i][:, :, : t + 1], mask, groups, attn.scaling)
+            o = o.to(h.dtype)
             h = h + attn.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         filled[0] = t + 1

@@ -9,7 +9,8 @@ eos_token_id, pad_token_id)``, minus costs that matter on small models:
   cache is copied to the other rows of the group.
 - On the CPU, bf16 linear layers run from weights reordered once per call into oneDNN's blocked
   layout (:func:`packed_linears`, as torch.compile's CPU backend does for frozen weights): the
-  same results, bit for bit, without oneDNN reordering every weight matrix at every token.
+  same results, bit for bit, without oneDNN reordering every weight matrix at every token (fp32
+  copies on CPUs without bf16 kernels: :mod:`rlhfkit.models.cpu_bf16`).
 - Llama-architecture models on the CPU decode through :func:`~rlhfkit.rollout.fast_decode.llama_decoder`
   after the prefill: the model's own layers and the same logits, without transformers' per-call
   machinery around them (~15% of a decode step of SmolLM2-135M).
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlhfkit.models import cpu_bf16
 from rlhfkit.models.value import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
 from rlhfkit.rollout.fast_decode import llama_decoder
 
@@ -47,18 +49,22 @@ def sample_from_probs(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _can_pack() -> bool:
-    """oneDNN is built in, has these ops, and runs bf16 on this CPU."""
+def _pack_dtype() -> torch.dtype | None:
+    """The dtype decode-step weights are packed in: bf16 where oneDNN multiplies bf16; fp32 where bf16
+    linears take their products in fp32 (:mod:`rlhfkit.models.cpu_bf16`); None without the ops."""
     ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and all(hasattr(ops, op) for op in (
-        "_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported")) and bool(ops._is_mkldnn_bf16_supported()))
+    if not (torch.backends.mkldnn.is_available() and all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
+        return None
+    if cpu_bf16.wanted():
+        return torch.float32
+    return torch.bfloat16 if cpu_bf16.native_bf16_matmul() else None
 
 
 @contextlib.contextmanager
 def packed_linears(module: torch.nn.Module, rows: int):
     """Within the block (inference only), every ``nn.Linear`` of ``module`` with a bf16 weight on the
     CPU computes inputs of at most ``rows`` rows (a decode step) from a copy of its weight reordered
-    for oneDNN; larger inputs (a prefill) keep ``F.linear``.
+    for oneDNN; larger inputs (a prefill) keep the layer's own forward.
 
     ``F.linear`` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout at every call:
     at a decode step's 4 rows that is most of the cost (SmolLM2-135M, 2 threads: 25 ms of linear
@@ -66,22 +72,29 @@ def packed_linears(module: torch.nn.Module, rows: int):
     (tested; at hundreds of rows it can round differently, hence the prefill's plain path). The
     copies cost one model's bf16 weights in memory while the block runs; the layers' own
     ``forward`` is restored on exit. Other dtypes, devices and layers are left alone.
+
+    On a CPU without bf16 kernels the copies are fp32 (twice the memory) and the products fp32, as
+    everywhere there (:mod:`rlhfkit.models.cpu_bf16`): converting each weight at every token would
+    take longer than the products (SmolLM2-135M, 4 rows, 64 tokens, AVX2: 21 s converting at every
+    call, 10 s on the bf16 path, 7.5 s from packed fp32 copies with the decoder attending in fp32).
     """
+    dtype = _pack_dtype()
     layers = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
               and m.weight.device.type == "cpu" and m.weight.dim() == 2 and m.weight.numel() > 0]
-    if not layers or not _can_pack():
+    if not layers or dtype is None:
         yield
         return
     own = {m: m.__dict__["forward"] for m in layers if "forward" in m.__dict__}
 
     def packed(layer: torch.nn.Linear):
-        weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
-        bias = None if layer.bias is None else layer.bias.detach()
+        weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(dtype), rows)
+        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
+        fallback = own.get(layer) or (lambda x: torch.nn.functional.linear(x, layer.weight, layer.bias))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if x.numel() > rows * x.shape[-1]:  # a prefill: there oneDNN may block the sums differently
-                return torch.nn.functional.linear(x, layer.weight, layer.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+                return fallback(x)
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "").to(x.dtype)
         return forward
 
     try:

@@ -9,10 +9,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from rlhfkit.models import load_model
+from rlhfkit.models.cpu_bf16 import ENV
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
 from rlhfkit.rollout.fast_decode import supports
 
 PAD = 0
+
+
+@pytest.fixture(autouse=True)
+def bf16_kernels_as_the_model_s(monkeypatch):
+    """Bit-for-bit comparisons with ``generate`` on the model's own bf16 kernels: the decoder does not
+    switch to fp32 products and attention even on a CPU without bf16 kernels (rlhfkit.models.cpu_bf16),
+    except where a test says so."""
+    monkeypatch.setenv(ENV, "native")
 
 
 def tiny_llama(dtype: torch.dtype, attn: str = "sdpa", kv_heads: int = 2) -> LlamaForCausalLM:
@@ -51,6 +61,20 @@ def prompts(rows: int = 4, length: int = 7, vocab: int = 1000) -> tuple[torch.Te
     return ids, mask
 
 
+def gsm8k_prompts(tokenizer, shared_data) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two real GSM8K questions of different lengths, chat-formatted and left-padded (one row padded)."""
+    with open(shared_data / "gsm8k" / "test_first1000.jsonl") as f:
+        questions = [json.loads(next(f))["question"] for _ in range(2)]
+    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
+            for q in questions]
+    rows = [list(r["input_ids"]) if isinstance(r, dict) or hasattr(r, "keys") else list(r) for r in rows]
+    width, pad = max(map(len, rows)), tokenizer.pad_token_id
+    assert min(map(len, rows)) < width
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
 def test_runs_only_where_checked():
     assert supports(tiny_llama(torch.float32))
     assert not supports(tiny_llama(torch.float32, attn="eager"))
@@ -84,15 +108,21 @@ def test_smollm2_bf16_on_gsm8k_prompts_gives_generate_s_tokens(base_dir, tokeniz
     """The real default model (30 layers, 9 query heads on 3 KV heads) in bf16, two real GSM8K
     questions of different lengths (so one row is left-padded), 24 greedy tokens."""
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    with open(shared_data / "gsm8k" / "test_first1000.jsonl") as f:
-        questions = [json.loads(next(f))["question"] for _ in range(2)]
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
-            for q in questions]
-    rows = [list(r["input_ids"]) if isinstance(r, dict) or hasattr(r, "keys") else list(r) for r in rows]
-    width, pad = max(map(len, rows)), tokenizer.pad_token_id
-    assert min(map(len, rows)) < width  # one row left-padded
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids, mask = gsm8k_prompts(tokenizer, shared_data)
+    pad = tokenizer.pad_token_id
+    got, body_calls = decode_counting_forwards(model, ids, mask, 24, pad)
+    assert body_calls == 1
+    assert torch.equal(got, generate(model, ids, mask, 24, pad))
+
+
+def test_smollm2_with_fp32_products_gives_the_tokens_of_generate(base_dir, tokenizer, shared_data, monkeypatch):
+    """Where bf16 layers take fp32 products (CPUs without bf16 kernels: rlhfkit.models.cpu_bf16), the
+    decoder packs fp32 weights and attends in fp32 over fp32 KV buffers: the real model, loaded as the
+    programs load it, gives the greedy tokens of its own ``generate`` (whose sums differ in order only)."""
+    monkeypatch.setenv(ENV, "fp32")
+    model = load_model(str(base_dir), dtype="bf16").eval()
+    ids, mask = gsm8k_prompts(tokenizer, shared_data)
+    pad = tokenizer.pad_token_id
     got, body_calls = decode_counting_forwards(model, ids, mask, 24, pad)
     assert body_calls == 1
     assert torch.equal(got, generate(model, ids, mask, 24, pad))

@@ -9,9 +9,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
-from rlhfkit.rollout.sampling import _can_pack, packed_linears, sample_from_probs, warpers
+from rlhfkit.models.cpu_bf16 import ENV, fp32_matmul_linears
+from rlhfkit.rollout.sampling import _pack_dtype, packed_linears, sample_from_probs, warpers
 
-needs_onednn_bf16 = pytest.mark.skipif(not _can_pack(), reason="oneDNN does not run bf16 on this CPU: packed_linears leaves layers alone")
+needs_onednn_bf16 = pytest.mark.skipif(_pack_dtype() is not torch.bfloat16,
+                                       reason="oneDNN does not run bf16 on this CPU: packed_linears packs fp32 copies")
 
 
 def test_sample_from_probs_draws_the_distribution():
@@ -60,8 +62,8 @@ def test_first_token_follows_the_warped_policy():
 @needs_onednn_bf16
 def test_packed_linears_return_f_linear_bits_at_decode_sizes_and_restore_forward():
     """bf16 CPU layers inside packed_linears: inputs of up to ``rows`` rows go through oneDNN's
-    packed op and give F.linear's exact bits; larger inputs and other layers are untouched; every
-    forward (also one a layer had of its own) is back on exit."""
+    packed op and give F.linear's exact bits; larger inputs take the layer's own forward (F.linear,
+    or one the layer had of its own); other layers are untouched; every forward is back on exit."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(576, 1536), torch.nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
     fp32 = torch.nn.Linear(8, 8)
@@ -76,9 +78,34 @@ def test_packed_linears_return_f_linear_bits_at_decode_sizes_and_restore_forward
                 x = torch.randn(*shape, dtype=torch.bfloat16)
                 assert torch.equal(net[0](x), torch.nn.functional.linear(x, net[0].weight, net[0].bias)), shape
                 y = torch.randn(*shape[:-1], 1536, dtype=torch.bfloat16)
-                assert torch.equal(net[1](y), torch.nn.functional.linear(y, net[1].weight)), shape
-    assert len(calls) == 6 and all(s.numel() <= 4 * 1536 for s in calls)  # the 2x64-row inputs took F.linear
+                want = y if shape[0] == 2 else torch.nn.functional.linear(y, net[1].weight)  # 2x64 rows: its own forward
+                assert torch.equal(net[1](y), want), shape
+    assert len(calls) == 6 and all(s.numel() <= 4 * 1536 for s in calls)  # the 2x64-row inputs took their own forward
     assert net[1].forward is own and "forward" not in net[0].__dict__ and "forward" not in fp32.__dict__
+
+
+def test_without_bf16_kernels_decode_steps_multiply_packed_fp32_copies(monkeypatch):
+    """Where bf16 linears take fp32 products (rlhfkit.models.cpu_bf16), packed_linears packs fp32
+    copies of the bf16 weights: decode-size inputs give the fp32 product rounded to bf16 (up to the
+    order of oneDNN's sums), prefill-size inputs the layer's own fp32-product forward."""
+    monkeypatch.setenv(ENV, "fp32")
+    assert _pack_dtype() is torch.float32
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(576, 1536).to(torch.bfloat16)
+    fp32_matmul_linears(layer)
+    own = layer.forward
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append((a[0].dtype, a[1].dtype)) or real(*a)):
+        with torch.no_grad(), packed_linears(layer, rows=4):
+            for shape in [(1, 576), (4, 1, 576), (2, 64, 576)]:
+                x = torch.randn(*shape, dtype=torch.bfloat16)
+                got = layer(x)
+                want = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+                assert got.dtype == torch.bfloat16
+                torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=1e-3)
+    assert calls == [(torch.float32, torch.float32)] * 2  # the 2x64 rows took the layer's own forward
+    assert layer.forward is own
 
 
 @needs_onednn_bf16
