@@ -77,18 +77,20 @@ def _forward(layer: torch.nn.Linear):
     return forward
 
 
-def fp32_matmul_linears(model: torch.nn.Module, force: bool = False) -> int:
-    """Give every bf16 CPU ``nn.Linear`` of ``model`` fp32 products where :func:`wanted` (or ``force``)
-    -> how many layers it changed (layers done before count again, so calling twice is harmless)."""
-    if not (force or wanted()):
+def fp32_matmul_linears(model: torch.nn.Module) -> int:
+    """Give every bf16 CPU ``nn.Linear`` of ``model`` fp32 products where :func:`wanted` -> how many
+    layers have them (layers done before count again, so calling twice is harmless; a layer with a
+    forward of someone else's is left alone)."""
+    if not wanted():
         return 0
     count = 0
     for m in model.modules():
         if type(m) is not torch.nn.Linear or m.weight.dtype != torch.bfloat16 or m.weight.device.type != "cpu":
             continue
-        if not getattr(m.__dict__.get("forward"), "fp32_matmul", False):
-            if "forward" in m.__dict__:
-                continue  # someone else's override: leave it alone
+        current = m.__dict__.get("forward")
+        if current is None:
             m.forward = _forward(m)
+        elif not getattr(current, "fp32_matmul", False):
+            continue
         count += 1
     return count

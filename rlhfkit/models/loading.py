@@ -18,7 +18,6 @@ import torch
 
 from rlhfkit.errors import CheckpointError
 from rlhfkit.models import cpu_bf16
-from rlhfkit.models.cpu_bf16 import fp32_matmul_linears
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                 "hidden_dropout_prob", "attention_probs_dropout_prob", "activation_dropout")
@@ -139,7 +138,7 @@ def load_model(
         use_safetensors=None if allow_pickle else True, attn_implementation=attn_implementation,
     )
     del keep_alive
-    fp32_matmul_linears(model)  # an AVX2-only CPU has no bf16 GEMM worth the name
+    cpu_bf16.fp32_matmul_linears(model)  # an AVX2-only CPU has no bf16 GEMM worth the name
     if kind == "causal_lm" and hasattr(model, "generation_config") and model.generation_config is not None:
         model.generation_config.pad_token_id = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
     return model

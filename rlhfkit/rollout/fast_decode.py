@@ -57,8 +57,7 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
     rows, _, length, _ = past[0][0].shape
     # On a CPU without bf16 kernels (rlhfkit.models.cpu_bf16) a bf16 model attends in fp32, from buffers
     # kept in fp32 (the bf16 keys and values converted exactly, once)
-    upcast = past[0][0].dtype == torch.bfloat16 and cpu_bf16.wanted()
-    buffer_dtype = torch.float32 if upcast else past[0][0].dtype
+    buffer_dtype = torch.float32 if past[0][0].dtype == torch.bfloat16 and cpu_bf16.wanted() else past[0][0].dtype
     keys, values = [], []
     for k, v in past:
         keys.append(k.new_empty(rows, kv_heads, capacity, head_dim, dtype=buffer_dtype))
