@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from rlhfkit import distributed as dist
 from rlhfkit.ds_config import BatchPlan, train_config
 from rlhfkit.errors import ConfigError, RlhfkitError
-from rlhfkit.models.cpu_bf16 import fp32_matmul_linears
+from rlhfkit.models.cpu_bf16 import fp32_products
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +213,7 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         leaves = zero3_block_leaves(model)
         dist.print_rank0(f"ZeRO-3 gathers each {', '.join(c.__name__ for c in leaves)} as one unit" if leaves else
                          "ZeRO-3 gathers parameters module by module (the model lists no transformer block classes)")
-    fp32_matmul_linears(model)  # heads and LoRA layers added after loading too
+    fp32_products(model)  # heads and LoRA layers added after loading too
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
     if zero_stage == 0 and engine.dp_world_size == 1:
         # One data-parallel rank: nothing to average, yet DeepSpeed would flatten, "all-reduce" and copy
@@ -234,7 +234,7 @@ def build_frozen_engine(model: torch.nn.Module, *, zero_stage: int, dtype: str, 
     cfg = eval_config(micro_batch=micro_batch, world_size=dist.world_size(), zero_stage=zero_stage, dtype=dtype, offload=offload)
     if zero_stage == 3 and block_leaves:
         zero3_block_leaves(model)
-    fp32_matmul_linears(model)
+    fp32_products(model)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     engine.eval()
     return engine

@@ -138,7 +138,7 @@ def load_model(
         use_safetensors=None if allow_pickle else True, attn_implementation=attn_implementation,
     )
     del keep_alive
-    cpu_bf16.fp32_matmul_linears(model)  # an AVX2-only CPU has no bf16 GEMM worth the name
+    cpu_bf16.fp32_products(model)  # an AVX2-only CPU has no bf16 GEMM worth the name
     if kind == "causal_lm" and hasattr(model, "generation_config") and model.generation_config is not None:
         model.generation_config.pad_token_id = pad_token_id if pad_token_id is not None else model.generation_config.pad_token_id
     return model

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from rlhfkit.errors import ConfigError
-from rlhfkit.models.cpu_bf16 import fp32_matmul_linears
+from rlhfkit.models.cpu_bf16 import fp32_products
 from rlhfkit.rollout.base import (
     GenerationConfig,
     PromptBatch,
@@ -240,7 +240,7 @@ def build_inference_copy(module: torch.nn.Module, device: torch.device) -> torch
             "deepspeed.zero.Init context; call it outside")
     # Parameters keep requires_grad=True: generate() runs under no_grad anyway, and on CPU torch's bf16
     # linear is measurably slower (~30% here) with weights that do not require grad.
-    fp32_matmul_linears(model)
+    fp32_products(model)
     model.eval()
     return model
 

@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
-from rlhfkit.models.cpu_bf16 import ENV, fp32_matmul_linears
+from rlhfkit.models.cpu_bf16 import ENV, fp32_products
 from rlhfkit.rollout.sampling import _pack_dtype, packed_linears, sample_from_probs, warpers
 
 needs_onednn_bf16 = pytest.mark.skipif(_pack_dtype() is not torch.bfloat16,
@@ -92,7 +92,7 @@ def test_without_bf16_kernels_decode_steps_multiply_packed_fp32_copies(monkeypat
     assert _pack_dtype() is torch.float32
     torch.manual_seed(0)
     layer = torch.nn.Linear(576, 1536).to(torch.bfloat16)
-    fp32_matmul_linears(layer)
+    fp32_products(layer)
     own = layer.forward
     calls = []
     real = torch.ops.mkldnn._linear_pointwise
