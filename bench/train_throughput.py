@@ -9,7 +9,9 @@ each also as a fraction of this machine's matmul peak measured in the same run.
 DeepSpeed-Chat's step-1 recipe (bench/dschat_baseline.py) at the 2-rank ZeRO-3 settings.
 --stage reward: step 2 on 2 ranks ZeRO-3 with packed pairs (the default) and with the two
 sequences of a pair in separate rows, and DeepSpeed-Chat's step-2 recipe, 2 pairs per rank each.
---stage dpo: step2_dpo the same two ways (DeepSpeed-Chat has no DPO).
+--stage dpo: step2_dpo the same two ways (DeepSpeed-Chat has no DPO), then packed with the reference's
+forwards on a kept gathered copy and through the ZeRO-3 engine (the default runs them on a copy
+gathered per forward).
 
 Runs the programs for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads their metrics logs;
 the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
@@ -57,7 +59,7 @@ def free_port() -> int:
 def run_rlhfkit(stage: str, model: str, ranks: int, zero: int, micro: int, steps: int, seq: int, data: str, workdir: str,
                 extra: tuple[str, ...] = ()) -> dict:
     """step1_sft, step2_reward or step2_dpo (``stage``) for ``steps`` optimiser steps; samples are sequences."""
-    out = os.path.join(workdir, f"{stage}-r{ranks}-z{zero}-{len(extra)}")
+    out = os.path.join(workdir, f"{stage}-r{ranks}-z{zero}-" + ("_".join(e.strip("-") for e in extra) or "default"))
     threads = max(1, (os.cpu_count() or 2) // ranks)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     program = {"sft": "step1_sft/main.py", "reward": "step2_reward/main.py", "dpo": "step2_dpo/main.py"}[stage]
@@ -126,6 +128,9 @@ def main() -> None:
                     run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false"))]
             if args.stage == "reward":
                 runs.append(run_dschat("reward", args.model, batch // 2, *common, work))
+            else:  # the reference's forwards on its gathered copy (default), kept, and through the engine
+                runs += [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
+                         for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
     for r in runs:
         achieved = r["tokens_per_s"] * flop_per_token / 1e9
         r["model_gflops"] = achieved
@@ -148,7 +153,12 @@ def main() -> None:
     else:
         summary["packed_over_apart"] = runs[0][key] / runs[1][key]
         print(f"packed pairs / pairs in separate rows, pairs/s: {summary['packed_over_apart']:.2f}")
-    if args.stage != "dpo":
+    if args.stage == "dpo":
+        summary["copy_over_engine"] = runs[0][key] / runs[3][key]
+        summary["kept_copy_over_engine"] = runs[2][key] / runs[3][key]
+        print(f"reference on a gathered copy / through the ZeRO-3 engine, {unit}: {summary['copy_over_engine']:.2f} "
+              f"(kept copy: {summary['kept_copy_over_engine']:.2f})")
+    else:
         summary["rlhfkit_over_dschat"] = runs[-2 if args.stage == "sft" else 0][key] / runs[-1][key]
         print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
     print("(tokens/s count every real token a recipe computes: separate rows count a pair's prompt twice, packed pairs once)")

@@ -36,6 +36,7 @@ from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import additive_mask, attention_kernel_of, load_model, load_tokenizer  # noqa: E402
+from rlhfkit.rollout.hf import GatheredCopy  # noqa: E402
 from rlhfkit.training import (  # noqa: E402
     batch_plan, build_frozen_engine, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary,
     run_main, start_program, to_device, train_loader, trainable_engine,
@@ -54,6 +55,12 @@ class DPOArgs:
     offload_reference_model: bool = arg(
         False, "Keep the frozen reference's parameters in CPU memory (ZeRO-3 parameter offload; the reference runs "
                "ZeRO-3 even when --zero_stage is lower).")
+    reference_on_copy: bool = arg(
+        True, "Under ZeRO-3 the reference's forward passes run on a gathered, hook-free full-weight copy (one all-gather "
+              "a forward instead of DeepSpeed's per-layer gathers and hooks); an offloaded reference keeps the engine path.")
+    keep_reference_copy: bool = arg(
+        False, "Keep that copy for the whole run (the reference is frozen: gathered once): faster, one full model more "
+               "in memory per rank between the reference's forward passes.")
 
 
 @dataclass
@@ -71,6 +78,8 @@ class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs
             raise ConfigError(f"--label_smoothing must be in [0, 0.5) (got {self.label_smoothing})")
         if self.label_smoothing and self.loss_type != "sigmoid":
             raise ConfigError("--label_smoothing applies to --loss_type sigmoid only")
+        if self.keep_reference_copy and not self.reference_on_copy:
+            raise ConfigError("--keep_reference_copy keeps the copy of --reference_on_copy: set that too (or drop it)")
 
     @property
     def reference_zero_stage(self) -> int:
@@ -159,17 +168,23 @@ def main() -> None:
                                                        offload=cfg.offload_reference_model), **load)
     reference = build_frozen_engine(ref_model, zero_stage=ref_stage, dtype=cfg.dtype,
                                     offload=cfg.offload_reference_model, micro_batch=plan.micro_batch)
+    # Its forward passes need no gradient: a sharded reference runs them on a gathered, hook-free copy
+    # (GatheredCopy: the model itself where nothing is partitioned), gathered once with --keep_reference_copy.
+    ref_copy = (GatheredCopy(reference, keep=cfg.keep_reference_copy, frozen=True)
+                if cfg.reference_on_copy and not cfg.offload_reference_model else None)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "dpo")
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} pairs "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation); "
-                     f"reference ZeRO-{ref_stage}{', offloaded to CPU' if cfg.offload_reference_model else ''}")
+                     f"reference ZeRO-{ref_stage}{', offloaded to CPU' if cfg.offload_reference_model else ''}"
+                     f"{', its forwards on a gathered copy' if ref_copy and ref_stage == 3 else ''}"
+                     f"{' (kept)' if ref_copy and ref_stage == 3 and cfg.keep_reference_copy else ''}")
 
     def dpo(batch, keep=None):
         """Policy forward (with grad), reference forward (no grad), DPO loss over this rank's pairs."""
         logprobs = packed_sequence_logprobs if "pair_mask" in batch else sequence_logprobs
         policy_chosen, policy_rejected = logprobs(engine, batch)
         with torch.no_grad():
-            ref_chosen, ref_rejected = logprobs(reference, batch)
+            ref_chosen, ref_rejected = logprobs(reference, batch) if ref_copy is None else ref_copy.run(logprobs, batch)
         if keep is not None:  # evaluation: drop the padding pairs
             policy_chosen, policy_rejected, ref_chosen, ref_rejected = (
                 t[keep] for t in (policy_chosen, policy_rejected, ref_chosen, ref_rejected))

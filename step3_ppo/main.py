@@ -165,12 +165,7 @@ def main() -> None:
     def no_grad_forward(name, engine, fn, *args):
         """``fn(model, *args)`` with ``model`` the engine's gathered copy (or the engine itself)."""
         view = views.get(name)
-        if view is None:
-            return fn(engine, *args)
-        try:
-            return fn(view.model(), *args)
-        finally:
-            view.done()
+        return fn(engine, *args) if view is None else view.run(fn, *args)
 
     kl_ctl = (AdaptiveKLController(cfg.kl_ctl, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl else FixedKLController(cfg.kl_ctl))
     ema = ParamEMA(actor.module, cfg.ema_beta) if cfg.enable_ema else None

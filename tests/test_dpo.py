@@ -57,7 +57,7 @@ def test_dpo_zero3_two_ranks_learns_preferences(tiny_dir, pref_data, tmp_path):
     assert after["margin"] > 0.5 and after["margin"] == pytest.approx(after["chosen_reward"] - after["rejected_reward"])
     assert after["loss"] < 0.8 * before["loss"], evals
     assert train[-1]["train/loss"] < train[0]["train/loss"] and train[-1]["train/margin"] > 0
-    assert "accuracy 0.000 ->" in proc.stdout and "reference ZeRO-3" in proc.stdout
+    assert "accuracy 0.000 ->" in proc.stdout and "reference ZeRO-3, its forwards on a gathered copy\n" in proc.stdout
 
     manifest = json.loads((out / "rlhfkit.json").read_text())
     assert manifest["stage"] == "dpo" and manifest["parent"]["path"] == os.path.abspath(tiny_dir)
@@ -91,6 +91,9 @@ def test_bad_dpo_flags_fail_clearly(tiny_dir, pref_data, tmp_path):
                                                      "--label_smoothing", "0.1"), nprocs=0, check=False)
     assert proc.returncode == 2 and "--label_smoothing applies to --loss_type sigmoid only" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, tmp_path / "o", "--keep_reference_copy",
+                                                     "--reference_on_copy", "false"), nprocs=0, check=False)
+    assert proc.returncode == 2 and "--keep_reference_copy keeps the copy of --reference_on_copy" in proc.stderr
 
 
 def _program():

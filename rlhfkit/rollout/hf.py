@@ -25,7 +25,7 @@ import contextlib
 import copy as copylib
 import itertools
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -45,6 +45,9 @@ from rlhfkit.rollout.base import (
 )
 
 DEFAULT_BUCKET_NUMEL = 2**25  # parameters gathered at once (~64 MiB in bf16): few collectives, small peak
+
+
+T = TypeVar("T")
 
 
 class GatheredCopy:
@@ -101,6 +104,13 @@ class GatheredCopy:
             load_gathered_weights(self._copy, self.module, self.bucket_numel, direct=self.direct_gather)
             self._fresh = True
         return self._copy
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """One use: ``fn(copy, *args)`` with the copy of :meth:`model` (collective), then :meth:`done`."""
+        try:
+            return fn(self.model(), *args)
+        finally:
+            self.done()
 
     def done(self) -> None:
         """End of a use: drop the copy unless it is kept (or held)."""
