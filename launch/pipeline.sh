@@ -8,7 +8,7 @@
 #
 # --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
 # --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
-#            small (default; about 15 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
+#            small (default; 15-35 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
 # --model    start from this base checkpoint / HF causal-LM dir instead of `rlhfkit prepare-base`
 # --stepN_args  extra flags for one stage's program, word-split (e.g. --step1_args "--lora_dim 8";
 #            group algorithms need --algo grpo --step3_args "--n_samples_per_prompt 4")
@@ -28,8 +28,9 @@ preset() {
       PPO_STEPS=2   PPO_PROMPTS=2  PPO_PROMPT_SEQ=64   PPO_ANSWER_SEQ=32
       SFT_LR=2e-5   RM_LR=2e-5   ACTOR_LR=1e-5  CRITIC_LR=1e-5
       EVAL=8 ;;
-    small)  # default: ~15 min with SmolLM2-135M on a 2-core CPU, 2 ranks (measured: 12 min in all; ~4.4 s per
-            # SFT step of 4x2 rows at 256 tokens, ~4 s per reward step of 2x2 pairs, 9-14 s per PPO step)
+    small)  # default, SmolLM2-135M on a 2-core CPU, 2 ranks. Measured: 12 min in all where oneDNN has bf16 kernels
+            # (AVX-512: ~4.4 s per SFT step of 4x2 rows at 256 tokens, ~4 s per reward step of 2x2 pairs, 9-14 s per
+            # PPO step); 36 min on an AVX2-only CPU (~20 s, ~10 s, ~35 s: bf16 products taken in fp32 there)
       SFT_STEPS=40  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
       RM_STEPS=40   RM_MICRO=2   RM_ACCUM=1   RM_SEQ=256
       PPO_STEPS=12  PPO_PROMPTS=2  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
