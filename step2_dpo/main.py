@@ -168,16 +168,15 @@ def main() -> None:
                                                        offload=cfg.offload_reference_model), **load)
     reference = build_frozen_engine(ref_model, zero_stage=ref_stage, dtype=cfg.dtype,
                                     offload=cfg.offload_reference_model, micro_batch=plan.micro_batch)
-    # Its forward passes need no gradient: a sharded reference runs them on a gathered, hook-free copy
-    # (GatheredCopy: the model itself where nothing is partitioned), gathered once with --keep_reference_copy.
+    # Its forward passes need no gradient: a sharded reference runs them on a gathered, hook-free copy,
+    # gathered once with --keep_reference_copy.
     ref_copy = (GatheredCopy(reference, keep=cfg.keep_reference_copy, frozen=True)
-                if cfg.reference_on_copy and not cfg.offload_reference_model else None)
+                if cfg.reference_on_copy and ref_stage == 3 and not cfg.offload_reference_model else None)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "dpo")
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} pairs "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation); "
                      f"reference ZeRO-{ref_stage}{', offloaded to CPU' if cfg.offload_reference_model else ''}"
-                     f"{', its forwards on a gathered copy' if ref_copy and ref_stage == 3 else ''}"
-                     f"{' (kept)' if ref_copy and ref_stage == 3 and cfg.keep_reference_copy else ''}")
+                     f"{', its forwards on a gathered copy' if ref_copy else ''}{' (kept)' if ref_copy and ref_copy.keep else ''}")
 
     def dpo(batch, keep=None):
         """Policy forward (with grad), reference forward (no grad), DPO loss over this rank's pairs."""

@@ -24,6 +24,7 @@ takes such inputs in fp32 and rounds the output to bf16 once; elsewhere it is tr
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -35,8 +36,10 @@ from transformers.modeling_utils import AttentionInterface
 ENV = "RLHFKIT_CPU_BF16_MATMUL"
 
 
+@functools.cache
 def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices with oneDNN's kernels."""
+    """Whether this CPU multiplies bf16 matrices with oneDNN's kernels (a fact of the machine: asked once;
+    :func:`wanted` runs at every attention call)."""
     ops = torch.ops.mkldnn
     return bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_is_mkldnn_bf16_supported")
                 and ops._is_mkldnn_bf16_supported())
