@@ -46,9 +46,15 @@ class Experience:
     def __len__(self) -> int:
         return self.sequences.shape[0]
 
-    def minibatches(self, size: int, generator: Optional[torch.Generator] = None) -> Iterator["Experience"]:
-        """Shuffled mini-batches of ``size`` samples (the last one may be smaller)."""
-        order = torch.randperm(len(self), generator=generator)
+    def minibatches(self, size: int, generator: Optional[torch.Generator] = None, group_size: int = 1) -> Iterator["Experience"]:
+        """Shuffled mini-batches of ``size`` samples (the last one may be smaller). With ``group_size``
+        G > 1 dividing ``size`` and the batch, whole groups are shuffled (the G contiguous samples of a
+        prompt stay together, as verl's mini-batches keep them), so that each mini-batch can run packed."""
+        G = group_size
+        if G > 1 and size % G == 0 and len(self) % G == 0:
+            order = (torch.randperm(len(self) // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
+        else:
+            order = torch.randperm(len(self), generator=generator)
         for start in range(0, len(self), size):
             yield self.select(order[start:start + size])
 
@@ -149,11 +155,18 @@ def group_packing_pays(prompt_len: int, response_len: int, group_size: int, span
     """Whether one packed row per group costs less than its G rows: a row of L tokens costs about
     L (the weights) + L^2 / span (attention, computed densely; ``span`` from
     :func:`rlhfkit.models.attention_span`). Long responses in large groups do not pay: the packed
-    row's attention grows with (G * A)^2."""
+    row's attention grows with (G * A)^2. The difference works out to (G - 1) * (P + (P^2 - G * A^2) / span),
+    so it pays exactly when G * A^2 < P * span + P^2: for every shorter response too."""
     if span is None or group_size < 2:
         return False
     S, L = prompt_len + response_len, prompt_len + group_size * response_len
     return L + L * L / span < group_size * (S + S * S / span)
+
+
+def packs_groups(model: Any, prompt_len: int, response_len: int, group_size: int) -> bool:
+    """Whether :func:`actor_forward` runs rows of this shape packed, groups of ``group_size`` allowing:
+    the attention kernel takes a 4D mask and packing costs less (:func:`group_packing_pays`)."""
+    return group_size > 1 and takes_4d_mask(model) and group_packing_pays(prompt_len, response_len, group_size, attention_span(model))
 
 
 def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
@@ -168,7 +181,7 @@ def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Ten
     """
     B, A = sequences.shape[0], sequences.shape[1] - prompt_len
     packed = None
-    if group_size > 1 and takes_4d_mask(model) and group_packing_pays(prompt_len, A, group_size, attention_span(model)):
+    if packs_groups(model, prompt_len, A, group_size):
         packed = pack_groups(sequences, attention_mask, prompt_len, group_size)
     if packed is None:
         out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),

@@ -75,10 +75,11 @@ class Step3Generation:
 class Step3Algo:
     algo: str = arg("ppo", f"Algorithm: {', '.join(ALGOS)} (PPO-penalty = ppo with --target_kl).")
     n_samples_per_prompt: int = arg(1, "Samples per prompt (G); group algorithms need >= 2.")
-    pack_groups: bool = arg(True, "When a batch gets one update (GRPO/DAPO defaults), run the G samples of a prompt as one "
-                                  "row (the prompt once, each response attending to the prompt and itself) in the reference "
-                                  "pass and in the update; where the attention kernel takes a 4D mask (eager, sdpa) and it "
-                                  "costs less than G rows (short responses).")
+    pack_groups: bool = arg(True, "Run the G samples of a prompt as one row (the prompt once, each response attending to the "
+                                  "prompt and itself) in the actor's and the reference's passes and in the updates; where the "
+                                  "attention kernel takes a 4D mask (eager, sdpa) and it costs less than G rows (short "
+                                  "responses). With several updates a batch, mini-batches then hold whole groups: G must "
+                                  "divide --per_device_training_batch_size.")
     kl_ctl: float = arg(0.1, "KL coefficient beta: in the reward (ppo, rloo, reinforce_pp) or in the loss (grpo).", aliases=["--init_kl_coef"])
     kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3 (k3 is the usual choice in the GRPO loss).")
     target_kl: Optional[float] = arg(None, "Adaptive KL controller target (PPO-penalty); None = fixed coefficient.")

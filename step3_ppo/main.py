@@ -31,7 +31,7 @@ from rlhfkit.data import (  # noqa: E402
 )
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.errors import ConfigError  # noqa: E402
-from rlhfkit.experience import Experience, actor_forward, critic_forward  # noqa: E402
+from rlhfkit.experience import Experience, actor_forward, critic_forward, packs_groups  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import apply_lora, enable_gradient_checkpointing, load_model, load_tokenizer, sequence_scores  # noqa: E402
 from rlhfkit.rewards import call_reward_fn, load_reward_fn  # noqa: E402
@@ -122,10 +122,13 @@ def main() -> None:
     # forward's own logprobs (detached) are the "old" ones and the experience pass skips the actor (as
     # TRL and verl do). Not when the KL goes into the reward: the advantages need it before training.
     old_logprobs_from_training = updates_per_step == 1 and not spec.kl_in_reward
-    # That update and the reference pass then run each group as one row (--pack_groups): the same
-    # layout in both, so the KL to the reference is exactly 0 while the policy is the reference (in
-    # bf16 packed and unpacked rows round differently, ~0.002 nats of KL per token on SmolLM2).
-    packed_groups = cfg.n_samples_per_prompt if cfg.pack_groups and old_logprobs_from_training else 1
+    # --pack_groups: every pass over a batch runs each group as one row (its prompt once), or none does.
+    # The same layout in the actor's and the reference's passes and the updates makes the first
+    # update's ratio exactly 1 and the KL to the reference exactly 0 while the policy is the reference
+    # (in bf16 packed and unpacked rows round differently, ~0.002 nats of KL per token on SmolLM2).
+    # With several updates a batch, mini-batches then hold whole groups, so G must divide them.
+    packed_groups = (cfg.n_samples_per_prompt if cfg.pack_groups and (
+        old_logprobs_from_training or cfg.per_device_training_batch_size % cfg.n_samples_per_prompt == 0) else 1)
     ptx_iter = None
     if cfg.unsupervised_dataset_name:
         ptx_rows, _, _ = load_phase_data(cfg.unsupervised_dataset_name, phase=1, need="sft", data_split="1,0,0", seed=cfg.seed,
@@ -178,7 +181,7 @@ def main() -> None:
     dev = actor.device
     dist.print_rank0(f"{cfg.algo}: {total_steps} steps x {cfg.samples_per_rank} samples/rank "
                      f"({cfg.per_device_generation_batch_size} prompts x {cfg.generation_batches} x {cfg.n_samples_per_prompt}), "
-                     f"{updates_per_step} updates/step, rollout backend {cfg.backend}, critic {'yes' if critic else 'no'}")
+                     f"{updates_per_step} updates/step{', groups packed' if packed_groups > 1 else ''}, rollout backend {cfg.backend}, critic {'yes' if critic else 'no'}")
 
     def score(batch, rows, parts):
         """Sequence rewards [B]: the reward model (read at the last real token) and/or reward functions.
@@ -213,7 +216,8 @@ def main() -> None:
             temperature = cfg.temperature if gen_cfg.do_sample else 1.0
             old_lp = None
             if not (old_logprobs_from_training and gen_cfg is gen):  # evaluation needs them for its KL
-                old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature)
+                old_lp, _ = no_grad_forward("actor", actor, actor_forward, seqs, attn, P, temperature, False,
+                                            packed_groups if gen_cfg is gen else 1)
         ref_lp, _ = no_grad_forward("ref", ref, actor_forward, seqs, attn, P, temperature, False,
                                     packed_groups if gen_cfg is gen else 1)
         values = no_grad_forward("critic", critic, critic_forward, seqs, attn, P) if critic is not None else None
@@ -287,12 +291,14 @@ def main() -> None:
         n = 0
         low, high = cfg.clip_eps
         gen_rng = torch.Generator().manual_seed(cfg.seed + dist.rank())
+        # packed where the experience passes were (a mini-batch's responses are no longer than the batch's)
+        groups = packed_groups if packs_groups(actor, exp.prompt_len, exp.action_mask.shape[1], packed_groups) else 1
         for _ in range(cfg.ppo_epochs):
-            for mb in [exp] if old_logprobs_from_training else exp.minibatches(cfg.per_device_training_batch_size, gen_rng):
+            for mb in [exp] if old_logprobs_from_training else exp.minibatches(cfg.per_device_training_batch_size, gen_rng, groups):
                 norm = dist.all_reduce_sum(torch.tensor([mb.loss_mask.sum().item(), float(len(mb))], dtype=torch.float64))
                 n_tok, n_seq = max(norm[0].item(), 1.0) / dist.world_size(), norm[1].item() / dist.world_size()
                 logp, entropy = actor_forward(actor, mb.sequences, mb.attention_mask, mb.prompt_len, cfg.temperature, with_entropy=True,
-                                              group_size=packed_groups)
+                                              group_size=groups)
                 if mb.old_logprobs is None:  # the single update of this batch (old_logprobs_from_training)
                     mb.old_logprobs = logp.detach()
                     mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, cfg.kl_estimator) * mb.action_mask

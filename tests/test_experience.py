@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rlhfkit.experience import actor_forward, group_packing_pays, pack_groups
+from rlhfkit.experience import Experience, actor_forward, group_packing_pays, pack_groups
 from rlhfkit.models import attention_span, load_model
 
 PAD, EOS = 0, 2
@@ -56,6 +56,51 @@ def test_group_packing_pays_by_hand():
     # long responses in a big group: packed 810 + 6561 > 8 * (110 + 121)
     assert not group_packing_pays(10, 100, 8, 100.0)
     assert not group_packing_pays(10, 5, 1, 100.0) and not group_packing_pays(10, 5, 4, None)
+
+
+def test_group_packing_pays_for_every_shorter_response():
+    """Step 3 decides once per batch and packs its mini-batches, whose responses are no longer: it pays
+    exactly when G * A^2 < P * span + P^2, so a shorter response pays wherever a longer one does."""
+    for P in (1, 7, 40, 300):
+        for G in (2, 4, 8):
+            pays = [group_packing_pays(P, A, G, 150.0) for A in range(1, 200)]
+            assert pays == [G * A * A < P * 150.0 + P * P for A in range(1, 200)]
+            assert pays == sorted(pays, reverse=True)
+
+
+def _experience(n: int, prompt_len: int = 2, answer_len: int = 3) -> Experience:
+    """n samples whose every field holds the sample's index (responses of index % 3 + 1 tokens)."""
+    idx = torch.arange(n)
+    lengths = idx % answer_len + 1
+    amask = (torch.arange(answer_len)[None] < lengths[:, None]).float()
+    per_token = idx[:, None].float().expand(n, answer_len) * amask
+    seqs = torch.cat([idx[:, None].expand(n, prompt_len), (idx[:, None] + 100).expand(n, answer_len)], dim=1)
+    return Experience(sequences=seqs, attention_mask=torch.cat([torch.ones(n, prompt_len), amask], dim=1).long(),
+                      action_mask=amask, loss_mask=amask, old_logprobs=None, ref_logprobs=per_token, values=None,
+                      scores=idx.float(), raw_scores=idx.float(), rewards=per_token, advantages=per_token, returns=per_token,
+                      kl=per_token, truncated=torch.zeros(n, dtype=torch.bool), prompt_len=prompt_len)
+
+
+def test_minibatches_keep_whole_groups_when_the_group_size_divides_them():
+    exp = _experience(12)
+    for size, groups in ((4, 2), (6, 3), (4, 4), (12, 2)):
+        seen = []
+        for mb in exp.minibatches(size, torch.Generator().manual_seed(1), group_size=groups):
+            ids = mb.scores.long()
+            assert len(mb) == size and torch.equal(mb.sequences[:, 0], ids)  # every field is the same samples'
+            assert torch.equal(mb.advantages[:, 0], ids.float()) and mb.action_mask.shape[1] == int(mb.action_mask.sum(-1).max())
+            starts = ids.view(-1, groups)
+            assert torch.equal(starts, starts[:, :1] + torch.arange(groups)) and bool((starts[:, 0] % groups == 0).all()), ids
+            seen += ids.tolist()
+        assert sorted(seen) == list(range(12))
+    # shuffled: the groups come in another order than 0, 1, 2, ...
+    orders = {tuple(mb.scores.long().tolist()) for mb in exp.minibatches(12, torch.Generator().manual_seed(3), group_size=2)}
+    assert orders != {tuple(range(12))}
+    # a size the group does not divide, or a batch of part groups: shuffled sample by sample, all seen once
+    for size, groups, n in ((5, 2, 12), (4, 2, 11)):
+        seen = [i for mb in _experience(n).minibatches(size, torch.Generator().manual_seed(0), group_size=groups)
+                for i in mb.scores.long().tolist()]
+        assert sorted(seen) == list(range(n))
 
 
 def gsm8k_groups(tokenizer, shared_data, n_prompts: int, G: int, A: int):

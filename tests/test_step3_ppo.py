@@ -201,18 +201,23 @@ def test_one_update_per_batch_takes_old_logprobs_from_the_training_forward(tiny_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("train_batch", [2, 1])
-def test_kl_to_the_reference_is_exactly_zero_before_the_first_update(tiny_dir, data, tmp_path, train_batch):
-    """bf16, GRPO groups of 2: with one update per batch (packed groups in the reference pass and the
-    update) and with two (no packing anywhere), the reference and the policy are scored the same way,
-    so at step 1, where the policy IS the reference, the KL to it is exactly 0, not rounding noise."""
+@pytest.mark.parametrize("train_batch,ppo_epochs,packed", [(2, 1, True), (1, 1, False), (2, 2, True)])
+def test_kl_to_the_reference_is_exactly_zero_before_the_first_update(base_dir, data, tmp_path, train_batch, ppo_epochs, packed):
+    """bf16 SmolLM2 (the tiny model's packed and unpacked rows round the same), GRPO groups of 2: with one update per batch (packed groups in the reference pass and the
+    update), with two mini-batches of one sample (no packing anywhere) and with two epochs of one
+    mini-batch of a whole group (packed in the actor's and the reference's passes and both updates),
+    the reference, the sampling policy and the updated policy are scored the same way: at step 1,
+    where the policy IS the reference, the KL to it is exactly 0, not rounding noise, and with a
+    learning rate of 0 every update's ratio is exactly 1."""
     out = tmp_path / "grpo"
-    args = ["--algo", "grpo", "--actor_model_name_or_path", str(tiny_dir), "--reward_fn", "gsm8k", "--data_path",
+    args = ["--algo", "grpo", "--actor_model_name_or_path", str(base_dir), "--reward_fn", "gsm8k", "--data_path",
             str(data / "math.jsonl"), "--output_dir", str(out), "--data_split", "0,0,1", "--eval_fraction", "0.2",
             "--max_eval_samples", "2", "--max_prompt_seq_len", "48", "--max_answer_seq_len", "8", "--temperature", "1.5",
             "--per_device_generation_batch_size", "1", "--per_device_training_batch_size", str(train_batch),
-            "--n_samples_per_prompt", "2", "--max_steps", "1", "--dtype", "bf16", "--progress_bar", "false"]
+            "--ppo_epochs", str(ppo_epochs), "--actor_learning_rate", "0", "--n_samples_per_prompt", "2", "--max_steps", "1",
+            "--dtype", "bf16", "--progress_bar", "false"]
     proc = run_program("step3_ppo/main.py", args, nprocs=0)
-    assert f"{2 // train_batch} updates/step" in proc.stdout
+    assert f"{ppo_epochs * 2 // train_batch} updates/step{', groups packed' if packed else ''}, " in proc.stdout
     step = [r for r in read_metrics(out) if "kl/per_token" in r and "policy/loss" in r][0]
     assert step["kl/per_token"] == 0.0 and step["kl/per_seq"] == 0.0, step
+    assert step["policy/approx_kl"] == 0.0 and step["policy/clip_frac"] == 0.0, step
