@@ -89,7 +89,11 @@ def test_critic_free_algorithms(tiny_dir, data, tmp_path, algo):
         args[args.index("--per_device_training_batch_size") + 1] = "1"
     if algo == "dapo":  # the other attention kernel that takes packed groups' 4D masks (the default is sdpa)
         args += ["--attn_implementation", "eager"]
-    run_program("step3_ppo/main.py", args, nprocs=2)
+    if algo == "rloo":  # KL in the reward: the actor's experience pass and two updates, all on packed groups
+        args += ["--ppo_epochs", "2"]
+    proc = run_program("step3_ppo/main.py", args, nprocs=2)
+    if algo == "rloo":
+        assert "2 updates/step, groups packed" in proc.stdout
     rows = read_metrics(out)
     step = [r for r in rows if "policy/loss" in r or "sampling/skipped_step" in r][0]
     assert step.get("policy/loss", 0.0) == step.get("policy/loss", 0.0)  # finite when trained
