@@ -49,7 +49,7 @@ class Experience:
     def minibatches(self, size: int, generator: Optional[torch.Generator] = None, group_size: int = 1) -> Iterator["Experience"]:
         """Shuffled mini-batches of ``size`` samples (the last one may be smaller). With ``group_size``
         G > 1 dividing ``size`` and the batch, whole groups are shuffled (the G contiguous samples of a
-        prompt stay together, as verl's mini-batches keep them), so that each mini-batch can run packed."""
+        prompt stay together), so that each mini-batch can run packed."""
         G = group_size
         if G > 1 and size % G == 0 and len(self) % G == 0:
             order = (torch.randperm(len(self) // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
