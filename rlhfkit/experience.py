@@ -47,23 +47,29 @@ class Experience:
         return self.sequences.shape[0]
 
     def minibatches(self, size: int, generator: Optional[torch.Generator] = None, group_size: int = 1) -> Iterator["Experience"]:
-        """Shuffled mini-batches of ``size`` samples (the last one may be smaller). With ``group_size``
-        G > 1 dividing ``size`` and the batch, whole groups are shuffled (the G contiguous samples of a
-        prompt stay together), so that each mini-batch can run packed."""
+        """Shuffled mini-batches of ``size`` samples (the last one may be smaller), each trimmed to its
+        longest response. With ``group_size`` G > 1 dividing ``size`` and the batch, whole groups are
+        shuffled (the G contiguous samples of a prompt stay together) so that each mini-batch can run
+        packed, and nothing is trimmed: a packed row's layout is then its layout in the whole batch
+        (trimming moves responses 2..G within the row, and bf16 rounds their logprobs differently;
+        trimming the right padding of rows run apart changes nothing)."""
         G = group_size
-        if G > 1 and size % G == 0 and len(self) % G == 0:
+        whole_groups = G > 1 and size % G == 0 and len(self) % G == 0
+        if whole_groups:
             order = (torch.randperm(len(self) // G, generator=generator)[:, None] * G + torch.arange(G)).flatten()
         else:
             order = torch.randperm(len(self), generator=generator)
         for start in range(0, len(self), size):
-            yield self.select(order[start:start + size])
+            yield self.select(order[start:start + size], trim=not whole_groups)
 
-    def select(self, idx: torch.Tensor) -> "Experience":
-        """The samples ``idx``, with the response trimmed to the longest one among them."""
+    def select(self, idx: torch.Tensor, trim: bool = True) -> "Experience":
+        """The samples ``idx``, with the response trimmed to the longest one among them (``trim``)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
             out[f.name] = v[idx.to(v.device)] if torch.is_tensor(v) and v.dim() > 0 else v
+        if not trim:
+            return Experience(**out)
         a = int(out["action_mask"].sum(-1).max().item()) if len(idx) else 0
         a = max(a, 1)
         for name in ("action_mask", "loss_mask", "old_logprobs", "ref_logprobs", "values", "rewards", "advantages", "returns", "kl"):

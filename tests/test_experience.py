@@ -83,12 +83,13 @@ def _experience(n: int, prompt_len: int = 2, answer_len: int = 3) -> Experience:
 
 def test_minibatches_keep_whole_groups_when_the_group_size_divides_them():
     exp = _experience(12)
-    for size, groups in ((4, 2), (6, 3), (4, 4), (12, 2)):
+    for size, groups in ((2, 2), (4, 2), (6, 3), (4, 4), (12, 2)):
         seen = []
         for mb in exp.minibatches(size, torch.Generator().manual_seed(1), group_size=groups):
             ids = mb.scores.long()
             assert len(mb) == size and torch.equal(mb.sequences[:, 0], ids)  # every field is the same samples'
-            assert torch.equal(mb.advantages[:, 0], ids.float()) and mb.action_mask.shape[1] == int(mb.action_mask.sum(-1).max())
+            assert torch.equal(mb.advantages[:, 0], ids.float())
+            assert mb.action_mask.shape[1] == 3 and mb.sequences.shape[1] == 5  # untrimmed: the packed layout of the batch
             starts = ids.view(-1, groups)
             assert torch.equal(starts, starts[:, :1] + torch.arange(groups)) and bool((starts[:, 0] % groups == 0).all()), ids
             seen += ids.tolist()
@@ -97,10 +98,14 @@ def test_minibatches_keep_whole_groups_when_the_group_size_divides_them():
     orders = {tuple(mb.scores.long().tolist()) for mb in exp.minibatches(12, torch.Generator().manual_seed(3), group_size=2)}
     assert orders != {tuple(range(12))}
     # a size the group does not divide, or a batch of part groups: shuffled sample by sample, all seen once
-    for size, groups, n in ((5, 2, 12), (4, 2, 11)):
-        seen = [i for mb in _experience(n).minibatches(size, torch.Generator().manual_seed(0), group_size=groups)
-                for i in mb.scores.long().tolist()]
+    for size, groups, n in ((5, 2, 12), (4, 2, 11), (1, 2, 12)):
+        seen, widths = [], []
+        for mb in _experience(n).minibatches(size, torch.Generator().manual_seed(0), group_size=groups):
+            widths.append(mb.action_mask.shape[1])
+            assert widths[-1] == int(mb.action_mask.sum(-1).max())  # trimmed to its longest response
+            seen += mb.scores.long().tolist()
         assert sorted(seen) == list(range(n))
+    assert min(widths) == 1  # one-sample mini-batches of 1-token responses
 
 
 def gsm8k_groups(tokenizer, shared_data, n_prompts: int, G: int, A: int):
@@ -154,3 +159,24 @@ def test_attention_span_of_the_tiny_model(tiny_dir, tokenizer):
     model = load_model(str(tiny_dir), "causal_lm", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
     n = sum(p.numel() for p in model.parameters())
     assert attention_span(model) == pytest.approx(n / (2 * 64 * 2))
+
+
+def test_a_packed_minibatch_of_whole_groups_scores_as_in_its_batch(base_dir, tokenizer, shared_data):
+    """bf16 SmolLM2, 3 GSM8K groups of 2 with responses of different lengths: each mini-batch of one
+    whole group (untrimmed) gets the packed logprobs of the whole batch bit for bit, which step 3's
+    exact ratio of 1 at the first update needs (trimming it moves its second response within the row)."""
+    seqs, mask, P = gsm8k_groups(tokenizer, shared_data, n_prompts=3, G=2, A=20)
+    model = load_model(str(base_dir), dtype="bf16").eval()
+    assert group_packing_pays(P, 20, 2, attention_span(model))
+    n = len(seqs)
+    amask = mask[:, P:].float()
+    exp = Experience(sequences=seqs, attention_mask=mask, action_mask=amask, loss_mask=amask, old_logprobs=None,
+                     ref_logprobs=amask, values=None, scores=torch.arange(n).float(), raw_scores=torch.zeros(n), rewards=amask,
+                     advantages=amask, returns=amask, kl=amask, truncated=torch.zeros(n, dtype=torch.bool), prompt_len=P)
+    with torch.no_grad():
+        whole, _ = actor_forward(model, seqs, mask, P, group_size=2)
+        assert int(amask[2:4].sum(-1).max()) < 20  # the second group would be trimmed
+        for mb in exp.minibatches(2, torch.Generator().manual_seed(0), group_size=2):
+            got, _ = actor_forward(model, mb.sequences, mb.attention_mask, P, group_size=2)
+            a = mb.action_mask.shape[1]
+            assert torch.equal(got * mb.action_mask, whole[mb.scores.long(), :a] * mb.action_mask)
