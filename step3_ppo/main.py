@@ -181,7 +181,8 @@ def main() -> None:
     dev = actor.device
     dist.print_rank0(f"{cfg.algo}: {total_steps} steps x {cfg.samples_per_rank} samples/rank "
                      f"({cfg.per_device_generation_batch_size} prompts x {cfg.generation_batches} x {cfg.n_samples_per_prompt}), "
-                     f"{updates_per_step} updates/step{', groups packed' if packed_groups > 1 else ''}, rollout backend {cfg.backend}, critic {'yes' if critic else 'no'}")
+                     f"{updates_per_step} updates/step{', groups packed' if packed_groups > 1 else ''}, "
+                     f"rollout backend {cfg.backend}, critic {'yes' if critic else 'no'}")
 
     def score(batch, rows, parts):
         """Sequence rewards [B]: the reward model (read at the last real token) and/or reward functions.
@@ -291,7 +292,8 @@ def main() -> None:
         n = 0
         low, high = cfg.clip_eps
         gen_rng = torch.Generator().manual_seed(cfg.seed + dist.rank())
-        # packed where the experience passes were (a mini-batch's responses are no longer than the batch's)
+        # packed where the experience passes were: whole-group mini-batches are not trimmed, so they have
+        # the batch's shape; otherwise rows apart, shuffled sample by sample and trimmed
         groups = packed_groups if packs_groups(actor, exp.prompt_len, exp.action_mask.shape[1], packed_groups) else 1
         for _ in range(cfg.ppo_epochs):
             for mb in [exp] if old_logprobs_from_training else exp.minibatches(cfg.per_device_training_batch_size, gen_rng, groups):

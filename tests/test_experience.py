@@ -59,8 +59,8 @@ def test_group_packing_pays_by_hand():
 
 
 def test_group_packing_pays_for_every_shorter_response():
-    """Step 3 decides once per batch and packs its mini-batches, whose responses are no longer: it pays
-    exactly when G * A^2 < P * span + P^2, so a shorter response pays wherever a longer one does."""
+    """The closed form in its docstring: it pays exactly when G * A^2 < P * span + P^2, so a shorter
+    response pays wherever a longer one does."""
     for P in (1, 7, 40, 300):
         for G in (2, 4, 8):
             pays = [group_packing_pays(P, A, G, 150.0) for A in range(1, 200)]

@@ -207,9 +207,10 @@ def test_one_update_per_batch_takes_old_logprobs_from_the_training_forward(tiny_
 @pytest.mark.distributed
 @pytest.mark.parametrize("train_batch,ppo_epochs,packed", [(2, 1, True), (1, 1, False), (2, 2, True)])
 def test_kl_to_the_reference_is_exactly_zero_before_the_first_update(base_dir, data, tmp_path, train_batch, ppo_epochs, packed):
-    """bf16 SmolLM2 (the tiny model's packed and unpacked rows round the same), GRPO groups of 2: with one update per batch (packed groups in the reference pass and the
-    update), with two mini-batches of one sample (no packing anywhere) and with two epochs of one
-    mini-batch of a whole group (packed in the actor's and the reference's passes and both updates),
+    """bf16 SmolLM2 (the tiny model's packed and unpacked rows round the same), GRPO groups of 2: with
+    one update per batch (packed groups in the reference pass and the update), with two mini-batches
+    of one sample (no packing anywhere) and with two epochs of one mini-batch of a whole group
+    (packed in the actor's and the reference's passes and both updates),
     the reference, the sampling policy and the updated policy are scored the same way: at step 1,
     where the policy IS the reference, the KL to it is exactly 0, not rounding noise, and with a
     learning rate of 0 every update's ratio is exactly 1."""
