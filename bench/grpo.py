@@ -47,7 +47,8 @@ def main() -> None:
     ap.add_argument("--new_tokens", type=int, default=64)
     ap.add_argument("--trl", action="store_true", help="also run TRL's GRPOTrainer at the same settings")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
-                    help="also run rlhfkit with these extra step-3 arguments, e.g. 'unpacked=--pack_groups false'")
+                    help="also run rlhfkit with these extra step-3 arguments, e.g. 'unpacked=--pack_groups false'; "
+                         "leading VAR=VALUE words set its environment, e.g. 'fp32=RLHFKIT_CPU_BF16_MATMUL=fp32'")
     ap.add_argument("--rounds", type=int, default=1, help="run everything this many times in turn; means over rounds")
     ap.add_argument("--out", default="bench_grpo.json")
     args = ap.parse_args()
@@ -103,7 +104,11 @@ def mean_result(runs: list[dict]) -> dict:
 
 
 def run_rlhfkit(args, extra: list[str], out_dir: str, env: dict) -> dict:
-    """step3_ppo/main.py --algo grpo on one rank -> steady-state seconds per step (first step left out)."""
+    """step3_ppo/main.py --algo grpo on one rank -> steady-state seconds per step (first step left out).
+    ``extra``: VAR=VALUE words for the environment, then step-3 arguments."""
+    n_env = next((i for i, w in enumerate(extra) if w.startswith("-") or "=" not in w), len(extra))
+    env = {**env, **dict(w.split("=", 1) for w in extra[:n_env])}
+    extra = extra[n_env:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -171,8 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from rlhfkit.host_memory import keep_freed_memory
+
     args = build_parser().parse_args(argv)
     try:
+        keep_freed_memory()
         args.func(args)
     except RlhfkitError as e:
         print(f"error: {e}", file=sys.stderr)
