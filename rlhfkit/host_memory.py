@@ -34,14 +34,18 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest (64-bit): larger blocks are mapped 
 TRIM_NEVER = -1  # mallopt(3): "-1 disables trimming completely"
 
 
-@functools.cache
 def keep_freed_memory() -> bool:
-    """Set glibc's trim and mmap thresholds for this process (once) -> whether they were set."""
+    """Set glibc's trim and mmap thresholds for this process where wanted -> whether they are set."""
     choice = os.environ.get(ENV, "1").strip().lower()
     if choice not in ("0", "1", "false", "true", "off", "on"):
         raise ConfigError(f"{ENV}={choice!r}: use 1 (keep freed memory in the process) or 0")
     if choice in ("0", "false", "off") or own_malloc_settings():
         return False
+    return _set_thresholds()
+
+
+@functools.cache
+def _set_thresholds() -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
