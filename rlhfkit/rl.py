@@ -1,12 +1,19 @@
-"""The RL algorithms of step 3 as compositions of the pure functions in :mod:`rlhfkit.algos`.
+"""The RL algorithms of step 3: one registry of algorithms, one of advantage estimators.
 
-One registry entry per ``--algo``: whether a critic exists, where the KL to the reference goes (into
-the per-token reward, or into the loss), which advantage estimator, which clip range. The PPO loop
-in ``step3_ppo/main.py`` is the same for all of them; nothing here touches models or ranks except
-through the ``all_reduce_sum`` callable passed in (for statistics over the global batch).
+An algorithm (``--algo``) is an :class:`AlgoSpec`: whether it trains a critic, where the KL to the
+reference goes (into the per-token reward, or into the loss), which advantage estimator it uses, and
+its own defaults (DAPO's clip-higher range). An advantage estimator is a function registered with
+:func:`register_advantage` (verl's ``core_algos`` style): it turns one batch's scores, logprobs and
+values into per-token rewards, advantages and returns by composing the pure functions of
+:mod:`rlhfkit.algos`. The PPO loop (:mod:`rlhfkit.ppo`) is the same for every algorithm.
 
-Group statistics (GRPO, DAPO, RLOO): the G samples of a prompt are generated on the same rank and
-kept contiguous, so group means/stds are computed locally with no collective.
+Adding an algorithm touches this file only (plus its tests): register its advantage estimator if it
+needs a new one, and add its ``AlgoSpec`` to ``ALGOS``. ``--algo`` choices, validation, the report's
+grouping and the README table read this registry.
+
+Nothing here touches models or ranks except through the ``all_reduce_sum`` callable passed in (for
+statistics over the global batch). Group statistics (GRPO, DAPO, RLOO): the G samples of a prompt
+are generated on the same rank and kept contiguous, so group means and stds need no collective.
 """
 
 from __future__ import annotations
@@ -22,29 +29,70 @@ from rlhfkit.algos import (
 )
 
 
-@dataclass(frozen=True)
-class AlgoSpec:
-    name: str
-    needs_critic: bool  # a value model is built and trained
-    kl_in_reward: bool  # -beta * KL_t is added to the per-token reward
-    kl_in_loss: bool  # beta * KL (k3 by default) is added to the policy loss
-    advantage: str  # gae | grpo | rloo | reinforce_pp
-    needs_groups: bool  # n_samples_per_prompt >= 2 required
-    clip_eps: tuple[float, float] = (0.2, 0.2)  # default (low, high) when the flags are unset
-    source: str = ""
-
-
-ALGOS: dict[str, AlgoSpec] = {
-    "ppo": AlgoSpec("ppo", True, True, False, "gae", False, source="Ouyang et al. 2022; Ziegler et al. 2019"),
-    "grpo": AlgoSpec("grpo", False, False, True, "grpo", True, source="Shao et al. 2024 (DeepSeekMath)"),
-    "dapo": AlgoSpec("dapo", False, False, False, "grpo", True, (0.2, 0.28), source="Yu et al. 2025 (DAPO)"),
-    "rloo": AlgoSpec("rloo", False, True, False, "rloo", True, source="Ahmadian et al. 2024"),
-    "reinforce_pp": AlgoSpec("reinforce_pp", False, True, False, "reinforce_pp", False, source="Hu 2025 (REINFORCE++)"),
-}
-
-
 def identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """One batch of experience, as an advantage estimator sees it."""
+
+    scores: torch.Tensor  # [B] sequence scores (after truncation / overlong shaping)
+    logprobs: torch.Tensor  # [B, A] behaviour (old) logprobs
+    ref_logprobs: torch.Tensor  # [B, A] reference logprobs
+    mask: torch.Tensor  # [B, A] float, 1 over the response up to and including EOS
+    values: Optional[torch.Tensor]  # [B, A] critic values, or None without a critic
+    kl: torch.Tensor  # [B, A] per-token KL estimate to the reference (0 on masked-out tokens)
+    kl_coef: float  # beta
+    kl_estimator: str  # k1 | k2 | k3
+    clip_reward_value: Optional[float]  # sequence scores clipped to [-c, c]; None = no clipping
+    gamma: float  # discount
+    lam: float  # GAE lambda
+    group_size: int  # G samples per prompt, contiguous
+    whiten_advantages: bool  # whiten over the whole global batch
+    all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]  # sum over ranks (identity on one rank)
+
+
+@dataclass
+class Advantages:
+    rewards: torch.Tensor  # [B, A] per-token rewards (KL-penalised where the algorithm says so)
+    advantages: torch.Tensor  # [B, A]
+    returns: torch.Tensor  # [B, A] value targets (= advantages for critic-free algorithms)
+    kl: torch.Tensor  # [B, A] per-token KL estimate to the reference (for metrics and rewards)
+
+
+AdvantageFn = Callable[["AlgoSpec", AdvantageInputs], Advantages]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn(spec, inputs) -> Advantages`` as the advantage estimator ``name``."""
+
+    def register(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return register
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgoSpec:
+    """One ``--algo``."""
+
+    name: str
+    advantage: str  # key of ADVANTAGE_ESTIMATORS
+    needs_critic: bool = False  # a value model is built (from the step-2 model) and trained
+    kl_in_reward: bool = False  # -beta * KL_t is added to the per-token reward
+    kl_in_loss: bool = False  # beta * KL is added to the policy loss
+    needs_groups: bool = False  # n_samples_per_prompt >= 2 required
+    clip_eps: Optional[tuple[float, float]] = None  # the algorithm's (low, high) clip range; None: --cliprange both sides
+    source: str = ""  # the paper
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"algorithm {self.name!r}: no advantage estimator {self.advantage!r} is registered")
 
 
 def whiten_global(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
@@ -54,12 +102,66 @@ def whiten_global(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Callable[
     return masked_whiten(x, mask, shift_mean=shift_mean, mean=mean.to(x.dtype), var=var.to(x.dtype))
 
 
-@dataclass
-class Advantages:
-    rewards: torch.Tensor  # [B, A] per-token rewards (KL-penalised where the algorithm says so)
-    advantages: torch.Tensor  # [B, A]
-    returns: torch.Tensor  # [B, A] value targets (= advantages for critic-free algorithms)
-    kl: torch.Tensor  # [B, A] per-token KL estimate to the reference (for metrics and rewards)
+def _last_token_rewards(seq_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, A]: each sequence's score on its last response token, 0 elsewhere."""
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    return torch.where(last, seq_scores[:, None].expand_as(mask), torch.zeros_like(mask))
+
+
+@register_advantage("gae")
+def gae(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
+    """PPO: KL-penalised per-token rewards, then GAE over the critic's values (Schulman et al. 2016)."""
+    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, x.kl_coef, x.clip_reward_value,
+                                      x.kl_estimator)
+    advantages, returns = gae_advantages(rewards, x.values, x.mask, x.gamma, x.lam)
+    if x.whiten_advantages:
+        advantages = whiten_global(advantages, x.mask, x.all_reduce_sum)
+    return Advantages(rewards, advantages, returns, x.kl)
+
+
+@register_advantage("reinforce_pp")
+def reinforce_pp(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
+    """REINFORCE++: KL-penalised rewards, discounted returns, normalised over the global batch."""
+    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, x.kl_coef, x.clip_reward_value,
+                                      x.kl_estimator)
+    returns = reinforce_pp_returns(rewards, x.mask, x.gamma)
+    advantages = whiten_global(returns, x.mask, x.all_reduce_sum)
+    return Advantages(rewards, advantages, returns, x.kl)
+
+
+def _group_relative(method: str, spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
+    """One advantage per sample from its group's baseline, on every token of it."""
+    seq_scores = x.scores.float()
+    if spec.kl_in_reward:  # RLOO: the sequence reward carries the KL penalty
+        seq_scores = seq_scores - x.kl_coef * masked_sum(x.kl, x.mask, dim=-1)
+    if x.clip_reward_value is not None:
+        seq_scores = seq_scores.clamp(-x.clip_reward_value, x.clip_reward_value)
+    advantages = group_advantages(seq_scores, x.group_size, method=method)[:, None] * x.mask
+    if x.whiten_advantages:
+        advantages = whiten_global(advantages, x.mask, x.all_reduce_sum)
+    return Advantages(_last_token_rewards(seq_scores, x.mask), advantages, advantages.clone(), x.kl)
+
+
+@register_advantage("grpo")
+def grpo(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
+    """GRPO: (r_i - mean_group) / (std_group + eps) (Shao et al. 2024)."""
+    return _group_relative("grpo", spec, x)
+
+
+@register_advantage("rloo")
+def rloo(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
+    """RLOO: r_i minus the mean of the other G - 1 samples of its group (Ahmadian et al. 2024)."""
+    return _group_relative("rloo", spec, x)
+
+
+ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
+    AlgoSpec(name="ppo", advantage="gae", needs_critic=True, kl_in_reward=True,
+             source="Ouyang et al. 2022; Ziegler et al. 2019"),
+    AlgoSpec(name="grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, source="Shao et al. 2024 (DeepSeekMath)"),
+    AlgoSpec(name="dapo", advantage="grpo", needs_groups=True, clip_eps=(0.2, 0.28), source="Yu et al. 2025 (DAPO)"),
+    AlgoSpec(name="rloo", advantage="rloo", kl_in_reward=True, needs_groups=True, source="Ahmadian et al. 2024"),
+    AlgoSpec(name="reinforce_pp", advantage="reinforce_pp", kl_in_reward=True, source="Hu 2025 (REINFORCE++)"),
+)}
 
 
 def compute_advantages(
@@ -79,30 +181,11 @@ def compute_advantages(
     whiten_advantages: bool,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = identity,
 ) -> Advantages:
+    """Rewards, advantages, returns and the per-token KL of one batch, by ``spec``'s estimator."""
     mask = mask.float()
     kl = kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask
-    if spec.advantage == "gae":
-        rewards, _ = kl_penalized_rewards(logprobs, ref_logprobs, scores, mask, kl_coef, clip_reward_value, kl_estimator)
-        advantages, returns = gae_advantages(rewards, values, mask, gamma, lam)
-        if whiten_advantages:
-            advantages = whiten_global(advantages, mask, all_reduce_sum)
-        return Advantages(rewards, advantages, returns, kl)
-    if spec.advantage == "reinforce_pp":
-        rewards, _ = kl_penalized_rewards(logprobs, ref_logprobs, scores, mask, kl_coef, clip_reward_value, kl_estimator)
-        returns = reinforce_pp_returns(rewards, mask, gamma)
-        advantages = whiten_global(returns, mask, all_reduce_sum)  # REINFORCE++: normalised over the global batch
-        return Advantages(rewards, advantages, returns, kl)
-    # group-relative, sequence-level: one advantage per sample, on every token of it
-    seq_scores = scores.float()
-    if spec.kl_in_reward:  # RLOO: the sequence reward carries the KL penalty
-        seq_scores = seq_scores - kl_coef * masked_sum(kl, mask, dim=-1)
-    if clip_reward_value is not None:
-        seq_scores = seq_scores.clamp(-clip_reward_value, clip_reward_value)
-    adv_seq = group_advantages(seq_scores, group_size, method=spec.advantage)
-    advantages = adv_seq[:, None] * mask
-    if whiten_advantages:
-        advantages = whiten_global(advantages, mask, all_reduce_sum)
-    rewards = torch.zeros_like(mask)
-    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-    rewards = torch.where(last, seq_scores[:, None].expand_as(mask), rewards)
-    return Advantages(rewards, advantages, advantages.clone(), kl)
+    inputs = AdvantageInputs(scores=scores, logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, values=values, kl=kl,
+                             kl_coef=kl_coef, kl_estimator=kl_estimator, clip_reward_value=clip_reward_value, gamma=gamma,
+                             lam=lam, group_size=group_size, whiten_advantages=whiten_advantages,
+                             all_reduce_sum=all_reduce_sum)
+    return ADVANTAGE_ESTIMATORS[spec.advantage](spec, inputs)

@@ -9,6 +9,7 @@ from .advantages import gae_advantages, group_advantages, overlong_penalty, rein
 from .controllers import AdaptiveKLController, FixedKLController, ema_update_
 from .kl import kl_estimate, kl_penalized_rewards
 from .losses import (
+    IGNORE_INDEX,
     aggregate_loss,
     clipped_value_loss,
     dpo_loss,
@@ -51,6 +52,7 @@ __all__ = [
     "reinforce_pp_returns",
     "overlong_penalty",
     # losses
+    "IGNORE_INDEX",
     "aggregate_loss",
     "ppo_policy_loss",
     "clipped_value_loss",

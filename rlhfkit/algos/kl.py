@@ -16,6 +16,8 @@ from .stats import _keep, last_real_token_index
 
 __all__ = ["kl_estimate", "kl_penalized_rewards"]
 
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
 # Bound on the log-ratio inside exp(), so k3 can never overflow to inf.
 _LOG_RATIO_CLAMP = 20.0
 
@@ -40,7 +42,7 @@ def kl_estimate(
     if estimator == "k3":
         d = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
         return (torch.expm1(d) - d).clamp_min(0)
-    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
 
 
 def kl_penalized_rewards(

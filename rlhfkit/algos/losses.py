@@ -19,6 +19,7 @@ from .kl import _LOG_RATIO_CLAMP, kl_estimate
 from .stats import _keep, logprobs_from_logits, masked_mean, masked_sum
 
 __all__ = [
+    "IGNORE_INDEX",
     "aggregate_loss",
     "ppo_policy_loss",
     "clipped_value_loss",
@@ -27,6 +28,8 @@ __all__ = [
     "sft_loss",
     "dpo_loss",
 ]
+
+IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding): torch's cross-entropy default
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
@@ -176,17 +179,17 @@ def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):
 
 
 def sft_loss(logits: torch.Tensor, labels: torch.Tensor, num_tokens=None):
-    """Causal-LM cross entropy: logits [B, T, V], labels [B, T] (-100 = ignored) -> (loss, n_tokens).
+    """Causal-LM cross entropy: logits [B, T, V], labels [B, T] (IGNORE_INDEX: ignored) -> (loss, n_tokens).
 
     Shifted as in Hugging Face: logits[:, :-1] predict labels[:, 1:].
-      loss = sum_{shifted labels != -100} -log p(label) / num_tokens
+      loss = sum_{shifted labels != IGNORE_INDEX} -log p(label) / num_tokens
     num_tokens defaults to n_tokens, this batch's count of non-ignored shifted labels (at least 1);
     across ranks pass global_tokens / W. Computed in fp32, chunked (see
     :func:`~rlhfkit.algos.stats.logprobs_from_logits`). n_tokens is a long scalar tensor.
     """
     shift_logits = logits[:, :-1, :]
     shift_labels = labels[:, 1:]
-    keep = shift_labels != -100
+    keep = shift_labels != IGNORE_INDEX
     n_tokens = keep.sum()
     nll = -logprobs_from_logits(shift_logits, shift_labels)
     total = masked_sum(nll, keep)
