@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from rlhfkit.models import load_model, load_tokenizer  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch  # noqa: E402
-from rlhfkit.rollout.base import hf_generate  # noqa: E402
+from rlhfkit.rollout.sampling import hf_generate  # noqa: E402
 
 GSM8K = REPO / ".." / "shared" / "data" / "gsm8k" / "test_first1000.jsonl"
 

@@ -1,5 +1,6 @@
-"""Model loading, LoRA, and the embedded base model."""
+"""Model loading, LoRA, attention helpers, sequence scores and log-probs, and the embedded base model."""
 
+from rlhfkit.models.attention import additive_mask, attention_kernel_of, attention_span, position_ids, takes_4d_mask
 from rlhfkit.models.loading import (
     check_weights_policy,
     enable_gradient_checkpointing,
@@ -11,14 +12,15 @@ from rlhfkit.models.loading import (
     train_attention,
 )
 from rlhfkit.models.lora import apply_lora, is_peft, param_groups
-from rlhfkit.models.value import (
-    additive_mask, attention_kernel_of, attention_span, packed_pair_scores, position_ids, score_head, sequence_scores, takes_4d_mask,
-    token_values,
+from rlhfkit.models.scores import (
+    at_predicting_column, packed_pair_scores, packed_sequence_logprobs, pair_logprobs, response_labels, score_head,
+    sequence_logprobs, sequence_scores, token_values,
 )
 
 __all__ = [
-    "additive_mask", "apply_lora", "attention_kernel_of", "attention_span", "check_weights_policy", "enable_gradient_checkpointing",
-    "ensure_distinct_pad", "is_peft",
-    "load_model", "load_tokenizer", "packed_pair_scores", "param_groups", "plain_init", "position_ids", "score_head", "sequence_scores",
+    "additive_mask", "apply_lora", "at_predicting_column", "attention_kernel_of", "attention_span", "check_weights_policy",
+    "enable_gradient_checkpointing", "ensure_distinct_pad", "is_peft",
+    "load_model", "load_tokenizer", "packed_pair_scores", "packed_sequence_logprobs", "pair_logprobs", "param_groups",
+    "plain_init", "position_ids", "response_labels", "score_head", "sequence_logprobs", "sequence_scores",
     "takes_4d_mask", "token_values", "torch_dtype", "train_attention",
 ]

@@ -1,9 +1,8 @@
 """bf16 linear layers and attention on CPUs without bf16 matmul kernels: the products taken in fp32.
 
 oneDNN multiplies bf16 matrices only on CPUs with AVX-512 (``torch.ops.mkldnn._is_mkldnn_bf16_supported``).
-Elsewhere (an AVX2-only CPU) torch falls back to a reference bf16 GEMM that is about 4x slower than
-its fp32 GEMM on the same CPU, and far slower still in the backward pass (SmolLM2-135M, 360 tokens,
-2 threads, AVX2: forward + backward 94 s in bf16 against 8 s with the products in fp32).
+Elsewhere (an AVX2-only CPU) torch falls back to a reference bf16 GEMM that is several times slower
+than its fp32 GEMM on the same CPU, and slower still in the backward pass.
 
 :func:`fp32_products` makes every bf16 ``nn.Linear`` of a model on such a CPU compute its
 forward and backward products in fp32 from the bf16 values and round the result to bf16. The
@@ -14,8 +13,8 @@ function keeps the bf16 input and weight and converts again there. On CPUs with 
 GPUs and for other dtypes, nothing is changed.
 
 Attention too: transformers' SDPA attention on bf16 CPU tensors runs torch's flash-attention kernel,
-whose backward pass is made of bf16 GEMMs there (SmolLM2-135M, 1x360 tokens, 2 threads, AVX2: 2.2 s of
-a 7 s forward + backward, 15x its forward). :func:`fp32_products` registers an SDPA attention that
+whose backward pass is made of bf16 GEMMs there, a large share of a forward + backward.
+:func:`fp32_products` registers an SDPA attention that
 takes such inputs in fp32 and rounds the output to bf16 once; elsewhere it is transformers' own.
 
 ``RLHFKIT_CPU_BF16_MATMUL=native`` turns it off (to compare: bench/grpo.py under each value);

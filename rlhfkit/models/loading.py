@@ -148,10 +148,9 @@ def train_attention(choice: str, max_seq_len: int, on_cuda: bool, dtype: str = "
     """The attention kernel of a model trained with sequences of up to ``max_seq_len`` tokens.
 
     ``auto``: on the CPU, up to 512 tokens, the plain matmul ("eager") attention; its backward pass
-    is faster than torch's CPU flash-attention backward (SmolLM2-135M, bf16, one thread: 4x256
-    tokens 3.3 s vs 3.7 s a forward+backward; at 1x1024 SDPA wins, 4.8 s vs 5.5 s). Not in bf16 on
-    a CPU without bf16 kernels (:mod:`rlhfkit.models.cpu_bf16`): there eager's bf16 matmuls take the
-    slow path (1x360 tokens, 2 threads, AVX2: 11.4 s vs 7.7 s). Elsewhere the model's default
+    is faster than torch's CPU flash-attention backward at these lengths (at 1024 SDPA wins). Not in
+    bf16 on a CPU without bf16 kernels (:mod:`rlhfkit.models.cpu_bf16`): there eager's bf16 matmuls
+    take the slow path. Elsewhere the model's default
     (SDPA). Any other value is passed to transformers as it is.
     """
     if choice != "auto":

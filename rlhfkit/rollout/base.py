@@ -10,17 +10,24 @@ the response stops at the first EOS (the EOS itself is an action, mask 1), every
 
 Shapes: B prompts (this rank's), P prompt length (left-padded), A response length (the longest
 response in this batch, <= max_new_tokens).
+
+A program hands every backend the same :class:`RolloutOptions`; each backend class is a
+:class:`RolloutBackend` that declares what it needs from the program (an environment check, a
+section of the actor's DeepSpeed config, constructor options), so programs never test its name.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from rlhfkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlhfkit.models.gathered import GatheredCopy
 
 
 @dataclass(kw_only=True)
@@ -63,7 +70,7 @@ class GenerationConfig:
 
         Greedy leaves the sampling fields unset (transformers warns about sampling values when
         ``do_sample=False``); they cannot leak from the model because backends generate through
-        :func:`isolated_generation_config`.
+        :func:`rlhfkit.rollout.sampling.isolated_generation_config`.
         """
         from transformers import GenerationConfig as HFGenerationConfig
 
@@ -129,11 +136,57 @@ class RolloutBatch:
         return self.prompt_ids.shape[0]
 
 
+@dataclass(kw_only=True)
+class RolloutOptions:
+    """What the program's flags ask of the rollout backend, in one object for every backend: each
+    backend reads the fields it uses (see :class:`RolloutBackend`) and ignores the others. The
+    defaults are those of step 3's flags."""
+
+    keep_copy: bool = False  # hf: keep the actor's gathered inference copy between calls (refreshed at each call): more memory, no rebuild
+    inference_tp_size: int = 1  # deepspeed (Hybrid Engine): tensor-parallel size of its inference kernels
+    release_inference_cache: bool = False  # deepspeed (Hybrid Engine): free its inference workspace after each generation
+    pin_parameters: bool = True  # deepspeed (Hybrid Engine): keep the actor's gathered parameters pinned between generations
+    tp_gather_partition_size: int = 8  # deepspeed (Hybrid Engine): partition size of its tensor-parallel gather
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Generates responses for this rank's prompts. Collective: every rank calls it together."""
 
+    # The gathered model this engine generates with, for the experience passes to reuse (they then
+    # score the responses on the weights that sampled them, without a second gather); None when the
+    # engine keeps no such copy.
+    inference_copy: GatheredCopy | None
+
     def generate(self, prompts: PromptBatch, gen: GenerationConfig) -> RolloutBatch: ...
+
+    def release(self) -> None:
+        """Free what the engine keeps between calls (its inference copy)."""
+
+
+class RolloutBackend:
+    """What every backend class declares besides :class:`RolloutEngine`'s methods, so that a program
+    treats all backends alike (``rlhfkit.rollout.check_backend``, ``training_engine_options``,
+    ``make_rollout_engine``). The defaults suit a backend that needs nothing special."""
+
+    inference_copy: GatheredCopy | None = None  # see RolloutEngine.inference_copy
+
+    @classmethod
+    def check_environment(cls) -> None:
+        """Raise a ConfigError when this machine cannot run the backend (called before any model is loaded)."""
+
+    @classmethod
+    def training_engine_options(cls, options: RolloutOptions) -> dict | None:
+        """The ``hybrid_engine`` section the actor's DeepSpeed training engine needs for this backend, or None."""
+        return None
+
+    @classmethod
+    def init_kwargs(cls, options: RolloutOptions) -> dict[str, Any]:
+        """The constructor's keyword arguments that ``options`` sets."""
+        return {}
+
+    def release(self) -> None:
+        """Free what the engine keeps between calls (nothing by default)."""
 
 
 def postprocess(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated_ids: torch.Tensor,
@@ -171,36 +224,17 @@ def postprocess(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generated_i
 # ---------------------------------------------------------------------------------------------
 # Helpers shared by the backends.
 
-
-def unwrap_engine(engine: Any) -> torch.nn.Module:
-    """The model inside a ``DeepSpeedEngine`` (or the module itself)."""
-    if hasattr(engine, "zero_optimization_stage") and hasattr(engine, "module"):
-        return engine.module
-    if isinstance(engine, torch.nn.Module):
-        return engine
-    raise TypeError(f"a rollout engine wants a DeepSpeedEngine or an nn.Module, got {type(engine).__name__}")
+# Moved to rlhfkit.models.gathered (the inference copy needs them and must not import the rollout);
+# still importable from here. Resolved on first use: importing rlhfkit.models imports transformers.
+_MOVED_TO_GATHERED = ("hf_model_of", "is_peft_model", "is_zero3_partitioned", "model_device", "unwrap_engine")
 
 
-def is_peft_model(module: Any) -> bool:
-    return hasattr(module, "peft_config") and hasattr(module, "get_base_model")
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_GATHERED:
+        from rlhfkit.models import gathered
 
-
-def hf_model_of(module: torch.nn.Module) -> torch.nn.Module:
-    """The Hugging Face ``PreTrainedModel`` that owns ``generate`` (the base model under peft)."""
-    return module.get_base_model() if is_peft_model(module) else module
-
-
-def is_zero3_partitioned(module: torch.nn.Module) -> bool:
-    """True when ``module``'s parameters are ZeRO-3 partitioned (they carry a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
-def model_device(engine: Any, module: torch.nn.Module) -> torch.device:
-    if hasattr(engine, "zero_optimization_stage") and hasattr(engine, "device"):
-        return torch.device(engine.device)
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
+        return getattr(gathered, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def world_size() -> int:
@@ -220,49 +254,6 @@ def eval_mode(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes:
             m.training = training
-
-
-@contextlib.contextmanager
-def isolated_generation_config(hf_model: torch.nn.Module) -> Iterator[None]:
-    """Hide the model's own ``generation_config`` while it generates.
-
-    transformers fills every field our config leaves unset from ``model.generation_config`` (a saved
-    ``temperature=0.2``, ``top_k=50``, ``repetition_penalty`` ...); an empty one leaves only
-    transformers' neutral global defaults.
-    """
-    from transformers import GenerationConfig as HFGenerationConfig
-
-    saved = getattr(hf_model, "generation_config", None)
-    hf_model.generation_config = HFGenerationConfig()
-    try:
-        yield
-    finally:
-        hf_model.generation_config = saved
-
-
-def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationConfig, device: torch.device,
-                synced_gpus: bool) -> RolloutBatch:
-    """Sample ``prompts`` with exactly ``gen`` on a Hugging Face causal LM, then :func:`postprocess`.
-
-    Rank-local generation runs :func:`rlhfkit.rollout.sampling.decode` (``generate``'s semantics,
-    faster sampling, one prefill per distinct prompt). ``synced_gpus=True`` (every rank keeps
-    stepping until all are done: ZeRO-3 forwards are collective) runs ``module.generate``;
-    ``synced_gpus`` is always passed to it explicitly: transformers would otherwise turn it on by
-    itself whenever an ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1.
-    """
-    input_ids = prompts.input_ids.to(device)
-    attention_mask = prompts.attention_mask.to(device)
-    P = input_ids.shape[1]
-    if not synced_gpus:
-        from rlhfkit.rollout.sampling import decode
-
-        new = decode(module, hf_model_of(module), input_ids, attention_mask, gen)
-        return postprocess(input_ids, attention_mask, new, gen.eos_ids, gen.pad_token_id)
-    with isolated_generation_config(hf_model_of(module)), torch.no_grad():
-        out = module.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen.to_hf(),
-                              synced_gpus=synced_gpus)
-    sequences = out.sequences if hasattr(out, "sequences") else out
-    return postprocess(input_ids, attention_mask, sequences[:, P:], gen.eos_ids, gen.pad_token_id)
 
 
 def empty_rollout(prompts: PromptBatch, device: torch.device) -> RolloutBatch:

@@ -16,19 +16,11 @@ from typing import Any
 import torch
 
 from rlhfkit.errors import ConfigError
-from rlhfkit.rollout.base import (
-    GenerationConfig,
-    PromptBatch,
-    RolloutBatch,
-    hf_model_of,
-    is_peft_model,
-    isolated_generation_config,
-    model_device,
-    postprocess,
-    world_size,
-)
+from rlhfkit.models.gathered import hf_model_of, is_peft_model, model_device
+from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBackend, RolloutBatch, RolloutOptions, postprocess, world_size
+from rlhfkit.rollout.sampling import isolated_generation_config
 
-CUDA_MESSAGE = ("--rollout_backend deepspeed needs CUDA (DeepSpeed's Hybrid Engine kernels); "
+CUDA_MESSAGE = ("--rollout_backend deepspeed / --enable_hybrid_engine needs CUDA (DeepSpeed's Hybrid Engine kernels); "
                 "on CPU use --rollout_backend hf")
 
 
@@ -42,12 +34,25 @@ def _cuda_accelerator() -> bool:
     return get_accelerator().device_name() == "cuda"
 
 
-class DeepSpeedHERolloutEngine:
-    """``engine.generate`` of a ``DeepSpeedHybridEngine``. Collective: every rank calls it together."""
+class DeepSpeedHERolloutEngine(RolloutBackend):
+    """``engine.generate`` of a ``DeepSpeedHybridEngine``. Collective: every rank calls it together.
 
-    def __init__(self, engine: Any):
+    The actor's training engine must be built with :meth:`training_engine_options` as its
+    ``hybrid_engine`` section.
+    """
+
+    @classmethod
+    def check_environment(cls) -> None:
         if not _cuda_accelerator():
             raise ConfigError(CUDA_MESSAGE)
+
+    @classmethod
+    def training_engine_options(cls, options: RolloutOptions) -> dict:
+        return {"inference_tp_size": options.inference_tp_size, "release_inference_cache": options.release_inference_cache,
+                "pin_parameters": options.pin_parameters, "tp_gather_partition_size": options.tp_gather_partition_size}
+
+    def __init__(self, engine: Any):
+        self.check_environment()
         from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
         if not isinstance(engine, DeepSpeedHybridEngine):

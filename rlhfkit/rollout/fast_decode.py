@@ -96,9 +96,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
                scale: float) -> torch.Tensor:
     """transformers' ``sdpa_attention_forward`` for one query token on the CPU: grouped-query attention
     by ``enable_gqa`` in fp32 without a mask, else the query heads folded onto their key/value head
-    (``pack_gqa``) -> [B, 1, heads * head_dim]. In bf16 the folded heads give the same bits 6-8x faster
-    (SmolLM2-135M's 9 heads on 3, 4 rows, 100-300 positions, 2 threads, AVX-512: 0.06-0.12 ms against
-    0.33-1.04 ms a layer; in fp32 ``enable_gqa`` is as fast, and its sums are transformers' own)."""
+    (``pack_gqa``) -> [B, 1, heads * head_dim]. In bf16 the folded heads give the same bits several
+    times faster on the CPU (bench/sampling.py); in fp32 ``enable_gqa`` is as fast, and its sums are
+    transformers' own."""
     rows, heads, _, dim = q.shape
     if groups > 1 and mask is None and q.dtype == torch.float32:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)

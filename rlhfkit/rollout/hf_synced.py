@@ -11,21 +11,12 @@ from typing import Any
 
 import torch
 
-from rlhfkit.rollout.base import (
-    GenerationConfig,
-    PromptBatch,
-    RolloutBatch,
-    empty_rollout,
-    eval_mode,
-    hf_generate,
-    is_zero3_partitioned,
-    model_device,
-    unwrap_engine,
-    world_size,
-)
+from rlhfkit.models.gathered import is_zero3_partitioned, model_device, unwrap_engine
+from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBackend, RolloutBatch, empty_rollout, eval_mode, world_size
+from rlhfkit.rollout.sampling import hf_generate
 
 
-class HFSyncedRolloutEngine:
+class HFSyncedRolloutEngine(RolloutBackend):
     """``generate(synced_gpus=True)`` on the sharded actor. Collective: every rank calls it together."""
 
     def __init__(self, engine: Any):

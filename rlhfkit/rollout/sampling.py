@@ -1,10 +1,13 @@
-"""The sampling loop of the ``hf`` rollout backend: KV-cached decoding of a Hugging Face causal LM
-with exactly the semantics of ``generate(do_sample, temperature, top_k, top_p, min_new_tokens,
-eos_token_id, pad_token_id)``, minus costs that matter on small models:
+"""Generation on a Hugging Face causal LM for the ``hf`` and ``hf-synced`` rollout backends.
 
-- ``torch.multinomial`` draws one exponential variate per vocabulary entry (49k for SmolLM2): 4.6 ms
-  a token at batch 4 on two CPU threads, ~10% of a decode step. :func:`sample_from_probs` inverts the
-  cumulative distribution with one uniform per row instead (0.08 ms), the same distribution.
+:func:`hf_generate` turns prompts into a :class:`~rlhfkit.rollout.base.RolloutBatch`. Rank-local, it
+runs :func:`decode`, the sampling loop: KV-cached decoding with exactly the semantics of
+``generate(do_sample, temperature, top_k, top_p, min_new_tokens, eos_token_id, pad_token_id)``,
+minus costs that matter on small models:
+
+- ``torch.multinomial`` draws one exponential variate per vocabulary entry (49k for SmolLM2), a
+  visible share of a small model's decode step. :func:`sample_from_probs` inverts the cumulative
+  distribution with one uniform per row instead: the same distribution.
 - Rows with the same prompt (a group of ``--n_samples_per_prompt``) are prefilled once and their KV
   cache is copied to the other rows of the group.
 - On the CPU, bf16 linear layers run from weights reordered once per call into oneDNN's blocked
@@ -13,7 +16,7 @@ eos_token_id, pad_token_id)``, minus costs that matter on small models:
   copies on CPUs without bf16 kernels: :mod:`rlhfkit.models.cpu_bf16`).
 - Llama-architecture models on the CPU decode through :func:`~rlhfkit.rollout.fast_decode.llama_decoder`
   after the prefill: the model's own layers and the same logits, without transformers' per-call
-  machinery around them (~15% of a decode step of SmolLM2-135M).
+  machinery around them.
 
 Greedy decoding returns exactly the tokens of ``generate(do_sample=False)`` (tested against it); the
 processors are transformers' own (``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
@@ -24,16 +27,56 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterator
 
 import torch
 
 from rlhfkit.models import cpu_bf16
-from rlhfkit.models.value import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
+from rlhfkit.models.gathered import hf_model_of
+from rlhfkit.models.attention import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
+from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBatch, postprocess
 from rlhfkit.rollout.fast_decode import llama_decoder
 
-if TYPE_CHECKING:
-    from rlhfkit.rollout.base import GenerationConfig
+
+def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationConfig, device: torch.device,
+                synced_gpus: bool) -> RolloutBatch:
+    """Sample ``prompts`` with exactly ``gen`` on a Hugging Face causal LM, then :func:`~rlhfkit.rollout.base.postprocess`.
+
+    Rank-local generation runs :func:`decode` (``generate``'s semantics, faster sampling, one
+    prefill per distinct prompt). ``synced_gpus=True`` (every rank keeps stepping until all are
+    done: ZeRO-3 forwards are collective) runs ``module.generate``; ``synced_gpus`` is always passed
+    to it explicitly: transformers would otherwise turn it on by itself whenever an
+    ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1.
+    """
+    input_ids = prompts.input_ids.to(device)
+    attention_mask = prompts.attention_mask.to(device)
+    P = input_ids.shape[1]
+    if not synced_gpus:
+        new = decode(module, hf_model_of(module), input_ids, attention_mask, gen)
+        return postprocess(input_ids, attention_mask, new, gen.eos_ids, gen.pad_token_id)
+    with isolated_generation_config(hf_model_of(module)), torch.no_grad():
+        out = module.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen.to_hf(),
+                              synced_gpus=synced_gpus)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    return postprocess(input_ids, attention_mask, sequences[:, P:], gen.eos_ids, gen.pad_token_id)
+
+
+@contextlib.contextmanager
+def isolated_generation_config(hf_model: torch.nn.Module) -> Iterator[None]:
+    """Hide the model's own ``generation_config`` while it generates.
+
+    transformers fills every field our config leaves unset from ``model.generation_config`` (a saved
+    ``temperature=0.2``, ``top_k=50``, ``repetition_penalty`` ...); an empty one leaves only
+    transformers' neutral global defaults.
+    """
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    saved = getattr(hf_model, "generation_config", None)
+    hf_model.generation_config = HFGenerationConfig()
+    try:
+        yield
+    finally:
+        hf_model.generation_config = saved
 
 
 def sample_from_probs(probs: torch.Tensor) -> torch.Tensor:
@@ -67,16 +110,14 @@ def packed_linears(module: torch.nn.Module, rows: int):
     for oneDNN; larger inputs (a prefill) keep the layer's own forward.
 
     ``F.linear`` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout at every call:
-    at a decode step's 4 rows that is most of the cost (SmolLM2-135M, 2 threads: 25 ms of linear
-    layers a token plain, 16 ms packed). At decode sizes the packed op returns ``F.linear``'s bits
+    at a decode step's few rows that is much of the cost (bench/sampling.py). At decode sizes the packed op returns ``F.linear``'s bits
     (tested; at hundreds of rows it can round differently, hence the prefill's plain path). The
     copies cost one model's bf16 weights in memory while the block runs; the layers' own
     ``forward`` is restored on exit. Other dtypes, devices and layers are left alone.
 
     On a CPU without bf16 kernels the copies are fp32 (twice the memory) and the products fp32, as
     everywhere there (:mod:`rlhfkit.models.cpu_bf16`): converting each weight at every token would
-    take longer than the products (SmolLM2-135M, 4 rows, 64 tokens, AVX2: 21 s converting at every
-    call, 10 s on the bf16 path, 7.5 s from packed fp32 copies with the decoder attending in fp32).
+    take longer than the products.
     """
     dtype = _pack_dtype()
     layers = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
@@ -141,7 +182,7 @@ def _new_cache(hf_model: torch.nn.Module) -> Any:
 
 @torch.no_grad()
 def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-           gen: "GenerationConfig") -> torch.Tensor:
+           gen: GenerationConfig) -> torch.Tensor:
     """Generate with ``gen`` after left-padded prompts ``input_ids`` [B, P] -> the new tokens [B, G],
     G <= gen.max_new_tokens (``gen.pad_token_id`` after a row's first EOS; the loop stops when every
     row has one).
@@ -154,7 +195,7 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
 
 
 def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            gen: "GenerationConfig") -> torch.Tensor:
+            gen: GenerationConfig) -> torch.Tensor:
     B = input_ids.shape[0]
     dev = input_ids.device
     cache_kw, has_keep = _forward_kwargs(hf_model)

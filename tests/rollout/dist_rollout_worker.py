@@ -33,7 +33,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.integrations import HfDeepSpeedConfig  # noqa: E402
 
-from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine, postprocess  # noqa: E402
+from rlhfkit.rollout import GenerationConfig, PromptBatch, RolloutOptions, make_rollout_engine, postprocess  # noqa: E402
 
 PAD = 0
 MAX_NEW = 12
@@ -321,7 +321,7 @@ def cpu_checks(c: Checker, rank: int, world: int, device, model_dir: str) -> Non
 
         # step 3's experience passes on a gathered copy give the engine's own logprobs, and the copy is dropped
         from rlhfkit.experience import actor_forward
-        from rlhfkit.rollout.hf import GatheredCopy
+        from rlhfkit.models.gathered import GatheredCopy
 
         seqs, attn, plen = expected.sequences, expected.attention_mask, expected.prompt_ids.shape[1]
         engine.eval()
@@ -345,6 +345,17 @@ def cpu_checks(c: Checker, rank: int, world: int, device, model_dir: str) -> Non
             view.done()
             held_ok = first is second and view._copy is first and first.training is False
         c.check("zero3.held_copy_shared_then_dropped", held_ok and view._copy is None)
+
+        # the hf engine's inference_copy is the copy it generated with (step 3 scores on it, held); kept with keep_copy
+        opts = make_rollout_engine("hf", engine, RolloutOptions(keep_copy=True))
+        with torch.no_grad(), opts.inference_copy.held():
+            out = opts.generate(prompts, gen)
+            generated_with = opts.inference_copy._copy
+            same_copy = generated_with is not None and opts.inference_copy.model() is generated_with
+        c.check("zero3.inference_copy_is_the_generating_copy", same_copy and batch_equal(out, expected)
+                and opts.inference_copy._copy is generated_with, got=batch_summary(out))
+        opts.release()
+        c.check("zero3.inference_copy_released", opts.inference_copy._copy is None)
 
         loss = train_step(engine, expected)
         stepped = full_state(engine.module)

@@ -53,9 +53,6 @@ def assert_all_passed(results: list[dict]) -> None:
     assert not failed, "failed checks:\n" + "\n".join(f"rank {rank} {name}: {info}" for (rank, name), info in failed.items())
 
 
-pytestmark = pytest.mark.distributed
-
-
 @pytest.fixture(scope="module")
 def cpu_results(tmp_path_factory) -> list[dict]:
     return launch(tmp_path_factory.mktemp("rollout_dist"), num_gpus=2, mode="cpu")
@@ -71,7 +68,7 @@ EXPECTED_CHECKS = [
     # the inference copy: plain, released, refreshed after an optimizer step
     "zero3.hf_released_copy", "zero3.kept_copy_plain", "zero3.kept_refreshed_after_step", "zero3.hf_after_step",
     "zero3.hf_no_per_token_collectives", "zero3.experience_on_copy_equals_engine", "zero3.released_copy_holds_no_weights",
-    "zero3.held_copy_shared_then_dropped",
+    "zero3.held_copy_shared_then_dropped", "zero3.inference_copy_is_the_generating_copy", "zero3.inference_copy_released",
     # the training engine does not notice
     "zero3.actor_partitioned_at_load", "lora.actor_partitioned", "zero3.weights_untouched", "lora.weights_untouched",
     "zero3.zero_status_untouched",
@@ -82,6 +79,7 @@ EXPECTED_CHECKS = [
 ]
 
 
+@pytest.mark.distributed
 def test_rollout_two_rank_zero3_cpu(cpu_results):
     assert [r["world"] for r in cpu_results] == [2, 2]
     for r in cpu_results:
@@ -90,6 +88,7 @@ def test_rollout_two_rank_zero3_cpu(cpu_results):
     assert_all_passed(cpu_results)
 
 
+@pytest.mark.distributed
 def test_rollout_ranks_had_eos_and_truncation(cpu_results):
     """The chosen EOS ids really end some responses mid-way, and other responses are truncated."""
     assert cpu_results[0]["details"]["eos"] == cpu_results[1]["details"]["eos"]

@@ -12,13 +12,25 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import rlhfkit.rollout.hf as hf_backend
 from rlhfkit.errors import ConfigError
-from rlhfkit.rollout import ROLLOUT_BACKENDS, GenerationConfig, PromptBatch, make_rollout_engine, postprocess
-from rlhfkit.rollout.hf import build_inference_copy, load_gathered_weights
+from rlhfkit.models.gathered import GatheredCopy, build_inference_copy, load_gathered_weights
+from rlhfkit.rollout import (
+    ROLLOUT_BACKENDS,
+    GenerationConfig,
+    PromptBatch,
+    RolloutOptions,
+    check_backend,
+    make_rollout_engine,
+    postprocess,
+    training_engine_options,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PAD = 0
 MAX_NEW = 8
+CPU_REFUSAL = ("--rollout_backend deepspeed / --enable_hybrid_engine needs CUDA (DeepSpeed's Hybrid Engine kernels); "
+               "on CPU use --rollout_backend hf")
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +82,77 @@ def test_registry_names_and_errors(model):
 def test_deepspeed_backend_refused_on_cpu(model):
     with pytest.raises(ConfigError) as e:
         make_rollout_engine("deepspeed", model)
-    assert str(e.value) == ("--rollout_backend deepspeed needs CUDA (DeepSpeed's Hybrid Engine kernels); "
-                            "on CPU use --rollout_backend hf")
+    assert str(e.value) == CPU_REFUSAL
 
 
 def test_import_is_lazy():
     code = ("import sys, rlhfkit.rollout; "
             "bad = [m for m in sys.modules if m.startswith(('deepspeed', 'transformers', 'rlhfkit.rollout.deepspeed_he', "
-            "'rlhfkit.rollout.hf'))]; assert not bad, bad")
+            "'rlhfkit.rollout.hf', 'rlhfkit.models'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+def test_gathered_copy_imports_no_rollout():
+    code = ("import sys, rlhfkit.models.gathered; "
+            "bad = [m for m in sys.modules if m.startswith('rlhfkit.rollout')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
+                   env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+
+
+# one interface for every backend: the early check, the training engine's options, the options, the copy ---------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_check_backend_refuses_deepspeed_on_cpu():
+    with pytest.raises(ConfigError) as e:
+        check_backend("deepspeed")
+    assert str(e.value) == CPU_REFUSAL
+    assert check_backend("hf") is None and check_backend("hf-synced") is None  # nothing they need
+    with pytest.raises(ConfigError, match="unknown rollout backend 'vllm'"):
+        check_backend("vllm")
+
+
+def test_training_engine_options():
+    options = RolloutOptions(inference_tp_size=2, release_inference_cache=True, pin_parameters=False, tp_gather_partition_size=4)
+    assert training_engine_options("hf", options) is None
+    assert training_engine_options("hf-synced", options) is None
+    assert training_engine_options("deepspeed", options) == {
+        "inference_tp_size": 2, "release_inference_cache": True, "pin_parameters": False, "tp_gather_partition_size": 4}
+    # step 3's flag defaults: --inference_tp_size 1, no --release_inference_cache, no --unpin_actor_parameters,
+    # --tp_gather_partition_size 8
+    assert training_engine_options("deepspeed", RolloutOptions()) == {
+        "inference_tp_size": 1, "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8}
+
+
+def test_options_reach_the_backend(model):
+    assert make_rollout_engine("hf", model, RolloutOptions(keep_copy=True)).inference_copy.keep is True
+    assert make_rollout_engine("hf", model, RolloutOptions()).inference_copy.keep is False
+    assert make_rollout_engine("hf", model, keep_copy=True).inference_copy.keep is True  # the keyword form
+    synced = make_rollout_engine("hf-synced", model, RolloutOptions(keep_copy=True))  # a field it does not use: ignored
+    assert synced.inference_copy is None
+    synced.release()
+    with pytest.raises(ConfigError, match="given both"):
+        make_rollout_engine("hf", model, RolloutOptions(), keep_copy=True)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_hf_generates_with_its_inference_copy(model, prompts, keep, monkeypatch):
+    """As under ZeRO-3 (the copy told that the model is partitioned), the model that generates is the
+    one the engine's ``inference_copy`` hands out; with ``keep_copy`` it outlives the call."""
+    gen = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=[999], pad_token_id=PAD)
+    want = make_rollout_engine("hf", model).generate(prompts, gen)
+    monkeypatch.setattr(GatheredCopy, "partitioned", property(lambda self: True))
+    used, real = [], hf_backend.hf_generate
+    monkeypatch.setattr(hf_backend, "hf_generate", lambda m, *args, **kw: used.append(m) or real(m, *args, **kw))
+    rollout = make_rollout_engine("hf", model, RolloutOptions(keep_copy=keep))
+    with rollout.inference_copy.held():  # as step 3 does: generate, then score on the same copy
+        got = rollout.generate(prompts, gen)
+        assert len(used) == 1 and used[0] is not model and used[0] is rollout.inference_copy.model()
+    assert same(got, want)
+    assert (rollout.inference_copy._copy is used[0]) is keep
+    rollout.release()
+    assert rollout.inference_copy._copy is None
 
 
 # plain modules (ZeRO-0 path) ---------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -91,9 +93,21 @@ def test_shape_mismatch_is_refused():
         postprocess(PROMPT, PMASK, torch.zeros(2, 4, dtype=torch.long), EOS, PAD)
 
 
-def test_rollout_batch_is_a_dataclass_with_properties():
-    b = postprocess(PROMPT, PMASK, torch.tensor([[EOS], [EOS], [EOS]]), EOS, PAD)
+def test_rollout_batch_fields_and_properties_by_hand():
+    # responses of 2, 3 (no EOS: truncated) and 1 tokens; A = 3
+    gen = torch.tensor([[11, EOS, 12], [13, 14, 15], [EOS, 16, 17]])
+    b = postprocess(PROMPT, PMASK, gen, EOS, PAD)
     assert isinstance(b, RolloutBatch) and len(b) == 3
+    assert [f.name for f in dataclasses.fields(b)] == ["prompt_ids", "prompt_mask", "response_ids", "action_mask", "truncated"]
+    assert torch.equal(b.prompt_ids, PROMPT) and torch.equal(b.prompt_mask, PMASK)
+    assert torch.equal(b.response_ids, torch.tensor([[11, EOS, PAD], [13, 14, 15], [EOS, PAD, PAD]]))
+    assert torch.equal(b.action_mask, torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]]))
+    assert torch.equal(b.truncated, torch.tensor([False, True, False]))
+    # properties: prompt ++ response, prompt_mask ++ action_mask, tokens up to and including EOS
+    assert torch.equal(b.sequences, torch.tensor([[0, 5, 6, 11, EOS, PAD], [7, 8, 9, 13, 14, 15], [0, 0, 4, EOS, PAD, PAD]]))
+    assert torch.equal(b.attention_mask, torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]]))
+    assert torch.equal(b.response_lengths, torch.tensor([2, 3, 1]))
+    assert (b.response_ids.dtype, b.action_mask.dtype, b.truncated.dtype) == (torch.long, PMASK.dtype, torch.bool)
 
 
 # GenerationConfig / PromptBatch validation --------------------------------------------------
