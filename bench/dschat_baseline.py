@@ -32,6 +32,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 from rlhfkit import distributed as dist  # noqa: E402
+from rlhfkit.program import join_process_group  # noqa: E402
 from rlhfkit.data import load_phase_data, tokenize_pairs, tokenize_sft  # noqa: E402
 from rlhfkit.models import load_model, load_tokenizer, token_values  # noqa: E402
 
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    dist.init(600)
+    join_process_group(600)
     torch.manual_seed(1234)
     tok = load_tokenizer(args.model)
     pad = tok.pad_token_id

@@ -31,11 +31,15 @@ def arg(default: Any, help: str, **kwargs: Any) -> Any:
 
 
 @dataclass
-class ModelArgs:
+class LoadArgs:
+    trust_remote_code: bool = arg(False, "Allow model code shipped inside model directories to run (off: only built-in architectures load).")
+    allow_pickle_weights: bool = arg(False, "Allow loading pickled weights (.bin/.pt). Off: only safetensors load.")
+
+
+@dataclass
+class ModelArgs(LoadArgs):
     model_name_or_path: Optional[str] = arg(
         None, "Model directory: an rlhfkit checkpoint of the previous step, or any Hugging Face model directory (required).")
-    trust_remote_code: bool = arg(False, "Allow model code shipped inside the model directory to run (off: only built-in architectures load).")
-    allow_pickle_weights: bool = arg(False, "Allow loading pickled weights (.bin/.pt). Off: only safetensors load.")
     dropout: Optional[float] = arg(None, "Override the model's dropout probabilities (None keeps the model's own).")
     gradient_checkpointing: bool = arg(False, "Recompute activations in the backward pass to save memory.")
     attn_implementation: str = arg(
@@ -57,19 +61,27 @@ class DataArgs:
 
 
 @dataclass
-class OptimArgs:
+class AdamArgs:
+    adam_beta1: float = arg(0.9, "AdamW beta1.")
+    adam_beta2: float = arg(0.95, "AdamW beta2.")
+    lr_scheduler_type: str = arg("cosine", "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.")
+    num_warmup_steps: int = arg(0, "Warm-up optimiser steps of the schedule.")
+    gradient_clipping: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
+
+
+@dataclass
+class RunLengthArgs:
+    num_train_epochs: int = arg(1, "Passes over the training data.")
+    max_steps: Optional[int] = arg(None, "Stop after this many optimiser steps (None: run all epochs).")
+
+
+@dataclass
+class OptimArgs(AdamArgs, RunLengthArgs):
     per_device_train_batch_size: int = arg(4, "Micro-batch size per rank for training.")
     per_device_eval_batch_size: int = arg(8, "Batch size per rank for evaluation.")
     gradient_accumulation_steps: int = arg(1, "Micro-batches accumulated per optimiser step.")
     learning_rate: float = arg(1e-5, "Peak learning rate.")
     weight_decay: float = arg(0.0, "AdamW weight decay (not applied to biases and norm weights).")
-    adam_beta1: float = arg(0.9, "AdamW beta1.")
-    adam_beta2: float = arg(0.95, "AdamW beta2.")
-    lr_scheduler_type: str = arg("cosine", "Learning-rate schedule: linear, cosine, cosine_with_restarts, polynomial, constant, constant_with_warmup.")
-    num_warmup_steps: int = arg(0, "Warm-up optimiser steps of the schedule.")
-    num_train_epochs: int = arg(1, "Passes over the training data.")
-    max_steps: Optional[int] = arg(None, "Stop after this many optimiser steps (None: run all epochs).")
-    gradient_clipping: float = arg(1.0, "Clip the global gradient norm to this value (0 disables).")
 
 
 ZERO3_BLOCK_LEAVES_HELP = ("Under ZeRO-3, gather, release and reduce each transformer block (the model's _no_split_modules) "
@@ -78,14 +90,18 @@ ZERO3_BLOCK_LEAVES_HELP = ("Under ZeRO-3, gather, release and reduce each transf
 
 
 @dataclass
-class DeepSpeedArgs:
-    zero_stage: int = arg(0, "ZeRO stage 0-3.")
+class RuntimeArgs:
     offload: bool = arg(False, "Offload optimizer state (and parameters under ZeRO-3) to CPU memory.")
     zero3_block_leaves: bool = arg(True, ZERO3_BLOCK_LEAVES_HELP)
     dtype: str = arg("bf16", "Training dtype: bf16, fp16 or fp32.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; do not pass by hand.")
     dist_timeout_s: int = arg(600, "Timeout of collective operations in seconds: a dead rank ends the job instead of hanging it.")
     seed: int = arg(1234, "Random seed (data split, shuffling, initialisation, sampling).")
+
+
+@dataclass
+class DeepSpeedArgs(RuntimeArgs):
+    zero_stage: int = arg(0, "ZeRO stage 0-3.")
 
 
 @dataclass
@@ -111,7 +127,7 @@ class PairArgs:
 class LogArgs:
     output_dir: Optional[str] = arg(None, "Where the checkpoint directory is written (required).")
     enable_tensorboard: bool = arg(False, "Write TensorBoard event files.")
-    tensorboard_path: Optional[str] = arg(None, "TensorBoard directory (default: <output_dir>/tensorboard).")
+    tensorboard_path: Optional[str] = arg(None, "TensorBoard directory (default: <output_dir>/logs/tensorboard).")
     eval_interval: int = arg(0, "Evaluate every N optimiser steps (0: only before and after training).")
     log_interval: int = arg(1, "Log training metrics every N optimiser steps.")
     progress_bar: bool = arg(True, "Show a progress bar with ETA on rank 0.")

@@ -61,8 +61,6 @@ def init(timeout_s: int = 600) -> torch.device:
     """
     import deepspeed
 
-    from rlhfkit.host_memory import keep_freed_memory
-
     if "RANK" not in os.environ:  # plain `python step1_sft/main.py`: a world of one
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -73,8 +71,6 @@ def init(timeout_s: int = 600) -> torch.device:
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    else:  # the tensors live in host memory: keep what each step frees for the next (rlhfkit/host_memory.py)
-        keep_freed_memory()
     return dev
 
 

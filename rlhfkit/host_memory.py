@@ -1,21 +1,21 @@
 """Keep freed host memory in the process (glibc's malloc) instead of handing it back to the kernel.
 
 Every training step on the CPU allocates and frees the same large tensors: activations, logits, the
-fp32 copies of the gradients that DeepSpeed's bf16 optimizer wrapper makes each step (540 MB for
-135M parameters). glibc returns freed memory at the top of its heap to the kernel once more than
-``M_TRIM_THRESHOLD`` is free there, and its dynamic thresholds let that happen every step, so the
-next step takes every page again from the kernel: a page fault and a zeroed page each 4 KiB. On
-SmolLM2-135M GRPO steps (bench/grpo.py, 2 threads, bf16) that was half of the training phase
-(2.2 s -> 1.2 s a step with this module; generation 10% faster too).
+fp32 copies of the gradients that DeepSpeed's bf16 optimizer wrapper makes each step. glibc returns
+freed memory at the top of its heap to the kernel once more than ``M_TRIM_THRESHOLD`` is free there,
+and its dynamic thresholds let that happen every step, so the next step takes every page again from
+the kernel: a page fault and a zeroed page each 4 KiB, for memory the process needs again at once.
 
 :func:`keep_freed_memory` fixes the thresholds with ``mallopt``, as ``MALLOC_TRIM_THRESHOLD_`` and
 ``MALLOC_MMAP_THRESHOLD_`` in the environment would: freed memory stays in the heap for the next
 step (the process keeps its high-water mark, which the step reaches anyway), and blocks of 32 MiB
 and more are still mapped apart and returned when freed, so that one large temporary cannot leave
-a heap that fragments. ``RLHFKIT_KEEP_FREED_MEMORY=0`` turns it off (to compare: bench/grpo.py
---variant 'off=RLHFKIT_KEEP_FREED_MEMORY=0'); so do malloc settings of your own (``MALLOC_*``,
-``GLIBC_TUNABLES``, a preloaded jemalloc or tcmalloc), and a
-C library other than glibc leaves it off.
+a heap that fragments. The programs call it at start-up when their tensors live in host memory
+(:func:`rlhfkit.program.join_process_group`, part of ``start_program``), and the ``rlhfkit``
+command always. ``RLHFKIT_KEEP_FREED_MEMORY=0`` turns it off (bench/grpo.py --variant
+'off=RLHFKIT_KEEP_FREED_MEMORY=0' measures the difference); so do malloc settings of your own
+(``MALLOC_*``, ``GLIBC_TUNABLES``, a preloaded jemalloc or tcmalloc), and a C library other than
+glibc leaves it off.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from rlhfkit.errors import RlhfkitError
+from rlhfkit.rendering import fmt, label_axes, md_escape, png_figure
 
 METRICS_FILE = "metrics.jsonl"
 PROGRAM_ORDER = ("sft", "reward", "dpo", "ppo")
@@ -31,8 +32,19 @@ HEADLINE = {
     "ppo": ("reward/score_mean", "kl/per_token", "gen/response_len"),
 }
 DEFAULT_HEADLINE = ("train/loss", "eval/loss", "eval/accuracy")
-# Step-3 relatives log PPO's keys: they get PPO's table rows and plots.
-FAMILY = {"grpo": "ppo", "dapo": "ppo", "rloo": "ppo", "reinforce++": "ppo", "reinforce_pp": "ppo", "ipo": "dpo"}
+# Step 3 logs under its --algo name and every step-3 algorithm logs PPO's keys, so each name of the
+# algorithm registry (rlhfkit.rl.ALGOS) gets PPO's table rows and plots: see program_family. Other
+# names that log another program's keys: REINFORCE++ under the paper's spelling, DPO's IPO loss.
+OTHER_FAMILIES = {"reinforce++": "ppo", "ipo": "dpo"}
+
+
+def program_family(program: str) -> str:
+    """The program whose table rows and plots a stage logged by ``program`` gets."""
+    from rlhfkit.rl import ALGOS  # torch: imported only when a report is written
+
+    if program in ALGOS:
+        return "ppo"
+    return OTHER_FAMILIES.get(program, program)
 
 
 @dataclass(frozen=True)
@@ -95,7 +107,7 @@ class Stage:
 
     @property
     def family(self) -> str:
-        return FAMILY.get(self.program, self.program)
+        return program_family(self.program)
 
     @property
     def slug(self) -> str:
@@ -217,31 +229,21 @@ def plot_stage(stage: Stage, spec: PlotSpec, out_path: Path) -> bool:
         return False
     import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    try:
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    with png_figure(out_path) as ax:
+        handles = None
         if spec.stack:
             _draw_stack(ax, stage, spec, colors)
-            handles = None
         else:
             handles = _draw_lines(ax, stage, spec.keys, colors)
             if any(k in stage.series for k in spec.right):
                 ax2 = ax.twinx()
                 handles += _draw_lines(ax2, stage, spec.right, colors[len(spec.keys):])
                 ax2.set_ylabel(spec.right_label)
-        ax.set_title(f"{spec.title} — {stage.label if stage.label != '.' else stage.program}")
-        ax.set_xlabel("step")
-        ax.set_ylabel(spec.ylabel)
-        ax.grid(True, alpha=0.3)
+        label_axes(ax, f"{spec.title} — {stage.label if stage.label != '.' else stage.program}", "step", spec.ylabel,
+                   legend=False)
         if handles is not None:
             ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="best", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_path)
-    finally:
-        plt.close(fig)
     return True
 
 
@@ -265,16 +267,6 @@ def _draw_stack(ax, stage: Stage, spec: PlotSpec, colors: list[str]) -> None:
 # the report
 
 
-def fmt(v: Optional[float]) -> str:
-    if v is None:
-        return "–"
-    if not math.isfinite(v):
-        return str(v)
-    if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6):
-        return f"{v:.3e}"
-    return f"{v:.4g}"
-
-
 def _duration(seconds: Optional[float]) -> str:
     if seconds is None:
         return "–"
@@ -290,18 +282,14 @@ def headline(stage: Stage) -> list[tuple[str, float, float]]:
     return [(k, stage.series[k][0][1], stage.series[k][-1][1]) for k in keys if k in stage.series]
 
 
-def _md_escape(s: str) -> str:
-    return s.replace("|", "\\|")
-
-
 def build_markdown(run_dir: Path, stages: list[Stage], plots: dict[str, list[tuple[str, str]]]) -> str:
     lines = [f"# rlhfkit run report: `{run_dir}`", ""]
     lines += ["| Stage | Program | Steps | Records | Wall time | Key metrics (first → last) |",
               "|---|---|---:|---:|---:|---|"]
     for st in stages:
         key_metrics = "; ".join(f"{k} {fmt(a)} → {fmt(b)}" for k, a, b in headline(st)) or "–"
-        lines.append(f"| {_md_escape(st.label)} | {st.program} | {st.last_step} | {st.records} | {_duration(st.wall_s)} | "
-                     f"{_md_escape(key_metrics)} |")
+        lines.append(f"| {md_escape(st.label)} | {st.program} | {st.last_step} | {st.records} | {_duration(st.wall_s)} | "
+                     f"{md_escape(key_metrics)} |")
     lines.append("")
     for st in stages:
         title = PROGRAM_TITLES.get(st.program, st.program.upper())
@@ -316,7 +304,7 @@ def build_markdown(run_dir: Path, stages: list[Stage], plots: dict[str, list[tup
         for key in sorted(st.series):
             vals = [v for _, v in st.series[key]]
             finite = [v for v in vals if math.isfinite(v)]
-            lines.append(f"| {_md_escape(key)} | {len(vals)} | {fmt(vals[0])} | {fmt(vals[-1])} | "
+            lines.append(f"| {md_escape(key)} | {len(vals)} | {fmt(vals[0])} | {fmt(vals[-1])} | "
                          f"{fmt(min(finite)) if finite else '–'} | {fmt(max(finite)) if finite else '–'} |")
         lines.append("")
         for title, file in plots.get(st.label, []):

@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> None:
     from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs
     from rlhfkit.models import sequence_scores
     from rlhfkit.rewards import pair_metrics, score_pairs
-    from rlhfkit.training import eval_batches
+    from rlhfkit.loaders import eval_batches
 
     model, tokenizer, manifest = load_reward_model(args.model, args.dtype, args.trust_remote_code, args.allow_pickle_weights)
     train_cfg = manifest.get("config", {})

@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from rlhfkit.training import batch_plan, build_engine
+from rlhfkit.engines import batch_plan, build_engine
 
 
 def main() -> None:

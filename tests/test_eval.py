@@ -15,7 +15,7 @@ from PIL import Image
 from rlhfkit.cli import main
 from rlhfkit.errors import CheckpointError, ConfigError, RlhfkitError
 from rlhfkit.evaluation import EvalOptions, mean_ci, run_eval, t_quantile
-from rlhfkit.report import fmt
+from rlhfkit.rendering import fmt
 from rlhfkit.rewards import gsm8k_reward
 
 # Student t 0.975 quantiles (from tables) for the sample sizes below: n = 5 -> df 4, n = 8 -> df 7.
@@ -143,6 +143,22 @@ def test_t_quantile_and_ci():
     s = mean_ci([1.0, 2.0, 3.0, 4.0])  # mean 2.5, s = sqrt(5/3), t(0.975, 3) = 3.182446305284263
     assert s["mean"] == 2.5 and abs(s["ci_half_width"] - 3.182446305284263 * math.sqrt(5 / 3) / 2) < 1e-9
     assert mean_ci([3.0])["ci_half_width"] is None
+
+
+def test_outcomes_win_rates_and_kl_by_hand():
+    from rlhfkit.eval_stats import kl_stats, outcome, win_stats
+
+    # a tie: the same response, or rewards within 1e-6
+    assert [outcome(1.0, 0.5, False), outcome(0.5, 1.0, False), outcome(1.0, 1.0 + 5e-7, False), outcome(2.0, 1.0, True)] == \
+        ["win", "loss", "tie", "tie"]
+    # 2 wins, 1 tie, 1 loss of 4: ties as half (2 + 0.5) / 4; decided 2 / (2 + 1)
+    assert win_stats(["win", "win", "tie", "loss"]) == {
+        "wins": 2, "ties": 1, "losses": 1, "win_rate": 0.5, "tie_rate": 0.25, "loss_rate": 0.25,
+        "win_rate_ties_half": 0.625, "win_rate_decided": 2 / 3}
+    assert win_stats([])["win_rate"] is None and win_stats(["tie"])["win_rate_decided"] is None
+    # per sequence (0.5 + 1.5) / 2 prompts; per token (0.5 + 1.5) / (2 + 6) tokens
+    assert kl_stats([0.5, 1.5], [2, 6]) == {"per_sequence": 1.0, "per_token": 0.25, "tokens": 8}
+    assert kl_stats([], []) == {"per_sequence": None, "per_token": None, "tokens": 0}
 
 
 def test_eval_held_out_prompts_reward_model_plus_gsm8k(dirs, data, tmp_path, capsys, tokenizer):

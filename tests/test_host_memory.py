@@ -56,3 +56,39 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("RLHFKIT_KEEP_FREED_MEMORY", "maybe")
     with pytest.raises(ConfigError, match=r"RLHFKIT_KEEP_FREED_MEMORY='maybe': use 1 \(keep freed memory in the process\) or 0"):
         keep_freed_memory()
+
+
+# Which start-up call sets it: the programs' start_program (on the CPU), not dist.init (a process group only).
+STARTUP = """
+import sys
+from dataclasses import dataclass
+
+import rlhfkit.host_memory
+from rlhfkit import distributed as dist
+from rlhfkit.program import start_program
+
+calls = []
+rlhfkit.host_memory.keep_freed_memory = lambda: calls.append("set") or True
+
+
+@dataclass
+class Config:
+    dist_timeout_s: int = 60
+    seed: int = 1
+
+
+dist.init(60)
+print("dist.init", len(calls))
+sys.argv = ["program"]
+start_program(Config)
+print("start_program", len(calls))
+"""
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on CUDA the tensors live in device memory: nothing to keep")
+def test_programs_keep_freed_memory_from_start_program_not_from_dist_init():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", STARTUP], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("dist.init", "start_program"))]
+    assert lines == ["dist.init 0", "start_program 1"], proc.stdout

@@ -130,3 +130,29 @@ def test_nothing_to_report_is_a_clear_error(tmp_path, capsys, layout):
     err = capsys.readouterr().err
     assert err.startswith("error: report:") and str(run) in err and "Traceback" not in err
     assert {"missing": "does not exist", "empty_dir": "no logs/metrics.jsonl", "empty_file": "hold no metrics"}[layout] in err
+
+
+def test_step3_algorithms_come_from_the_registry(monkeypatch, tmp_path):
+    """Every --algo of rlhfkit.rl.ALGOS gets PPO's rows and plots; a newly registered algorithm too,
+    with no change to report.py."""
+    from rlhfkit import rl
+    from rlhfkit.report import program_family
+
+    assert {a: program_family(a) for a in rl.ALGOS} == {a: "ppo" for a in rl.ALGOS}
+    assert [program_family(p) for p in ("reinforce++", "ipo", "sft", "dpo", "mystery")] == ["ppo", "dpo", "sft", "dpo", "mystery"]
+    monkeypatch.setitem(rl.ALGOS, "my_algo", rl.ALGOS["grpo"])
+    run = tmp_path / "run"
+    write_log(run / "step3", [rec("my_algo", s, reward__score_mean=float(s), kl__per_token=0.01 * s) for s in (1, 2)])
+    report = write_report(run, tmp_path / "rep", echo=False)
+    assert sorted(p.name for p in report.parent.glob("*.png")) == ["step3_kl.png", "step3_reward.png"]
+    assert "reward/score_mean 1 → 2; kl/per_token 0.01 → 0.02" in headline_rows(report.read_text())["step3"]
+
+
+def test_markdown_cells_and_fences():
+    from rlhfkit.rendering import fence, fmt, md_escape
+
+    assert md_escape("a|b") == "a\\|b"
+    assert fence("x = `y`", 100) == "```text\nx = `y`\n```"
+    assert fence("a\n````\nb", 100) == "`````text\na\n````\nb\n`````"  # longer than any backtick run inside
+    assert fence("abcdef", 4) == "```text\nabcd [...]\n```"
+    assert [fmt(v) for v in (None, 0.0, 1234.5678, 0.0001234, 2.5e6, float("nan"))] == ["–", "0", "1235", "1.234e-04", "2.500e+06", "nan"]

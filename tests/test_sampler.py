@@ -2,16 +2,13 @@
 
 import pytest
 
-from rlhfkit.training import LengthGroupedSampler
+from rlhfkit.loaders import LengthGroupedSampler
 
 
 def rank_orders(lengths, batch, world, seed=7, epoch=0):
     out = []
     for r in range(world):
-        s = LengthGroupedSampler(lengths, batch, seed)
-        s.world, s.rank = world, r
-        s.global_batch = batch * world
-        s.num_batches = -(-len(lengths) // s.global_batch)
+        s = LengthGroupedSampler(lengths, batch, seed, world=world, rank=r)
         s.set_epoch(epoch)
         out.append(list(s))
     return out
@@ -34,3 +31,19 @@ def test_batches_group_similar_lengths_and_are_deterministic():
     spans = [max(lengths[i] for i in a[0][k:k + 4] + a[1][k:k + 4]) - min(lengths[i] for i in a[0][k:k + 4] + a[1][k:k + 4])
              for k in range(0, len(a[0]), 4)]
     assert sum(spans) / len(spans) < 60  # a random batch of 8 of 0..399 spans ~310 on average
+
+
+def test_each_rank_takes_its_slice_of_every_global_batch():
+    """A global batch is a run of one length-sorted mega-batch (longest first); rank r takes rows
+    [r * batch, (r + 1) * batch) of it, so rank 0's k-th batch and rank 1's k-th batch together are
+    sorted longest first."""
+    lengths = [(i * 37) % 101 for i in range(48)]
+    a = rank_orders(lengths, 3, 2)
+    for k in range(0, len(a[0]), 3):
+        together = [lengths[i] for i in a[0][k:k + 3] + a[1][k:k + 3]]
+        assert together == sorted(together, reverse=True)
+
+
+def test_a_rank_outside_the_world_is_an_error():
+    with pytest.raises(ValueError, match="rank 2 is not in a world of 2"):
+        LengthGroupedSampler([1, 2, 3], 1, 0, world=2, rank=2)

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from rlhfkit.algos import IGNORE_INDEX  # noqa: F401 - the label of tokens that carry no loss (prompt, padding)
 from rlhfkit.data.formats import Example, Messages
 from rlhfkit.errors import ConfigError, DataError
 
-IGNORE_INDEX = -100  # label of tokens that carry no loss (the prompt, padding)
 FIRST_DROPS = 5
 
 
