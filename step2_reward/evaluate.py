@@ -6,13 +6,15 @@
 See rlhfkit/scoring.py for every flag.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
 
+from rlhfkit.program import run_main  # noqa: E402
 from rlhfkit.scoring import main  # noqa: E402
-from rlhfkit.training import run_main  # noqa: E402
 
 if __name__ == "__main__":
     run_main(main)

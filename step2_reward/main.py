@@ -5,13 +5,17 @@
 
 Reads a step-1 (or base) checkpoint, writes a 'reward' checkpoint directory: a one-label
 AutoModelForSequenceClassification whose score is read at the last real token of a sequence.
+Each pair is one row in training (--pack_pairs: the prompt once, then the chosen and the rejected
+response, each attending to the prompt and itself); evaluation runs chosen rows then rejected rows
+([2B, T]). Either way one forward scores both sides of a pair.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from dataclasses import dataclass
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout too
 
@@ -20,75 +24,41 @@ import torch  # noqa: E402
 from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import pairwise_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
-from rlhfkit.config import (  # noqa: E402
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, config_dict, require,
-)
+from rlhfkit.config import config_dict  # noqa: E402
 from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
+from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
+from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
+from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.rewards import score_pairs  # noqa: E402
-from rlhfkit.training import (  # noqa: E402
-    batch_plan, count_steps, eval_batches, feature_length, fit, load_split, make_run_state, print_summary, run_main,
-    start_program, train_loader, trainable_engine,
-)
+from rlhfkit.supervised import LoopResult, fit  # noqa: E402
+from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
 
 
-@dataclass
-class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs):
-    """Step 2 flags: those of step 1 (DeepSpeed-Chat names). No --num_padding_at_beginning: the
-    score is read at the last real token, whatever the padding."""
+class PairwiseObjective:
+    """The pairwise loss of the reward model being trained: the training loss over this rank's pairs
+    and the held-out preference accuracy and scores."""
 
-    learning_rate: float = arg(5e-6, "Peak learning rate.")
-    per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
+    def __init__(self, engine: Any, pack_pairs: bool):
+        self.engine, self.pack_pairs = engine, pack_pairs
 
-    def validate(self) -> None:
-        require(self, "model_name_or_path", "data_path", "output_dir")
-        check_common(self)
-
-
-def main() -> None:
-    cfg = start_program(RewardConfig)
-
-    # 1. Check the input model and the output directory before loading anything big.
-    check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "reward"), role="--model_name_or_path")
-    check_output_dir(cfg.output_dir)
-    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
-
-    # 2. Data: this step's share of each source as (chosen, rejected) pairs that still differ after truncation.
-    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
-
-    def collate(rows):
-        return collate_pairs(rows, tokenizer.pad_token_id)
-
-    def collate_train(rows):
-        return (collate_packed_pairs if cfg.pack_pairs else collate_pairs)(rows, tokenizer.pad_token_id)
-
-    # 3. The reward model (a one-label sequence classifier; fresh score head) and its engine.
-    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
-    loader = train_loader(train_set, collate_train, plan.micro_batch, cfg.seed,
-                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
-    total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
-    engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=tokenizer.pad_token_id,
-                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
-    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
-    dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
-                     f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
-
-    # 4. The loss: chosen and rejected of a pair go through the model in the same forward batch.
-    def compute_loss(batch):
-        if cfg.pack_pairs:
-            chosen, rejected = packed_pair_scores(engine, batch)
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """The training loss softplus(r_rejected - r_chosen), mean over the rank's pairs, and its
+        statistics; a pair's chosen and rejected go through the model in the same forward."""
+        if self.pack_pairs:
+            chosen, rejected = packed_pair_scores(self.engine, batch)
         else:
-            scores = sequence_scores(engine, batch["input_ids"], batch["attention_mask"])
-            chosen, rejected = scores.chunk(2)
+            chosen, rejected = sequence_scores(self.engine, batch["input_ids"], batch["attention_mask"]).chunk(2)
         loss, accuracy = pairwise_loss(chosen, rejected)
         return loss, {"loss": loss.item(), "accuracy": float(accuracy), "margin": (chosen - rejected).mean().item()}
 
-    # 5. Evaluation on the held-out pairs: accuracy, mean chosen / rejected score, mean margin.
-    def evaluate():
-        engine.eval()
-        chosen, rejected = score_pairs(lambda ids, mask: sequence_scores(engine, ids, mask),
-                                       eval_batches(eval_set, collate, cfg.per_device_eval_batch_size), engine.device)
+    def evaluate(self, eval_set: list, collate: Any, batch_size: int) -> dict:
+        """Held-out pairs, over all ranks: accuracy (chosen scored above rejected), mean chosen and
+        rejected score, their mean margin."""
+        self.engine.eval()
+        chosen, rejected = score_pairs(functools.partial(sequence_scores, self.engine),
+                                       eval_batches(eval_set, collate, batch_size), self.engine.device)
         sums = torch.tensor([float((chosen > rejected).sum()), float(chosen.sum()), float(rejected.sum()), chosen.numel()],
                             dtype=torch.float64)
         total = dist.all_reduce_sum(sums)
@@ -96,24 +66,21 @@ def main() -> None:
         return {"accuracy": total[0].item() / n, "chosen_score": total[1].item() / n, "rejected_score": total[2].item() / n,
                 "margin": (total[1].item() - total[2].item()) / n, "pairs": int(total[3].item())}
 
-    # 6. Train, then export the checkpoint directory.
-    result = fit(engine, loader, compute_loss=compute_loss, evaluate=evaluate, total_steps=total_steps,
-                 epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
-                 log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
-                 run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps,
-                 sequences_per_row=2 if cfg.pack_pairs else 1)
+
+def run_metrics(result: LoopResult) -> dict:
+    """The manifest's metrics: held-out accuracy and margin before and after training, and the run's size."""
     first, last = result.evals[0], result.evals[-1]
-    metrics = {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
-               "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
-               "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2, "seconds": result.seconds,
-               "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
-    manifest = build_manifest(stage="reward", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
-                              data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype,
-                              extra={"score_rule": "last real token (rightmost attention_mask == 1)"})
-    export_model(engine, tokenizer, cfg.output_dir, manifest)
-    logger.close()
+    return {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
+            "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
+            "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2,
+            "seconds": result.seconds, "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
+
+
+def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
+    """The end-of-run summary lines, with the commands that evaluate the model and run step 3."""
+    first, last = result.evals[0], result.evals[-1]
     out = os.path.abspath(cfg.output_dir)
-    print_summary("step 2 (reward model) done", {
+    return {
         "steps": result.steps,
         "time": f"{result.seconds:.1f} s ({metrics['pairs_per_s']:.2f} pairs/s)",
         "held-out accuracy": f"{first['accuracy']:.3f} before -> {last['accuracy']:.3f} after ({last['pairs']} pairs)",
@@ -123,7 +90,52 @@ def main() -> None:
         "evaluate": f"python step2_reward/evaluate.py --model {out} --split heldout",
         "next": f"deepspeed step3_ppo/main.py --actor_model_name_or_path {os.path.abspath(cfg.model_name_or_path)} "
                 f"--critic_model_name_or_path {out} --data_path {' '.join(cfg.data_path)} --output_dir OUT",
-    })
+    }
+
+
+def main() -> None:
+    cfg = start_program(RewardConfig)
+
+    # 1. Check the input model and the output directory before loading anything big.
+    check_model_dir(cfg.model_name_or_path, expect=("base", "sft", "dpo", "reward"), role="--model_name_or_path")
+    check_output_dir(cfg.output_dir)
+    tokenizer = load_tokenizer(cfg.model_name_or_path, cfg.trust_remote_code)
+    pad = tokenizer.pad_token_id
+
+    # 2. Data: this step's share of each source as (chosen, rejected) pairs that still differ after
+    #    truncation; training packs each pair into one row with --pack_pairs, evaluation runs the two rows apart.
+    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
+    train_collate = functools.partial(collate_packed_pairs if cfg.pack_pairs else collate_pairs, pad_token_id=pad)
+    eval_collate = functools.partial(collate_pairs, pad_token_id=pad)
+
+    # 3. The reward model (a one-label sequence classifier; fresh score head) as a DeepSpeed training engine.
+    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    loader = train_loader(train_set, train_collate, plan.micro_batch, cfg.seed,
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
+    total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
+    engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=pad,
+                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
+    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
+    dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
+                     f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
+
+    # 4. Train on the pairwise loss, evaluating on the held-out pairs before, every --eval_interval steps and after.
+    pairwise = PairwiseObjective(engine, cfg.pack_pairs)
+    result = fit(engine, loader, compute_loss=pairwise,
+                 evaluate=functools.partial(pairwise.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size),
+                 total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
+                 eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="reward",
+                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}),
+                 max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs else 1)
+
+    # 5. Export the reward-type checkpoint directory.
+    metrics = run_metrics(result)
+    manifest = build_manifest(stage="reward", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
+                              data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype,
+                              extra={"score_rule": "last real token (rightmost attention_mask == 1)"})
+    export_model(engine, tokenizer, cfg.output_dir, manifest)
+    logger.close()
+    print_summary("step 2 (reward model) done", summary(result, metrics, cfg))
 
 
 if __name__ == "__main__":

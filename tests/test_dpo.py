@@ -1,16 +1,17 @@
-"""DPO (step2_dpo/main.py) through the real program on a tiny random Llama, plus its response log-prob."""
+"""DPO (step2_dpo/main.py) through the real program on a tiny random Llama, plus the summed response
+log-probs it trains on (rlhfkit.models.scores)."""
 
-import importlib.util
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
 
+from rlhfkit.algos import IGNORE_INDEX
+from rlhfkit.models import at_predicting_column, packed_sequence_logprobs, response_labels, sequence_logprobs
 from test_step1_sft import load_plain
-from testutils import REPO, run_program
+from testutils import run_program
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "ocean", "lemon"]
 PAIRS = [{"prompt": f"Say the word number {i}.", "chosen": f"The word is {w}.",
@@ -69,7 +70,6 @@ def test_dpo_zero3_two_ranks_learns_preferences(tiny_dir, pref_data, tmp_path):
     load_plain(out)
 
 
-@pytest.mark.distributed
 def test_dpo_ipo_one_rank_zero0_lora_offloaded_reference(tiny_dir, pref_data, tmp_path):
     out = tmp_path / "ipo"
     proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, out, "--zero_stage", "0", "--max_steps", "1",
@@ -96,28 +96,30 @@ def test_bad_dpo_flags_fail_clearly(tiny_dir, pref_data, tmp_path):
     assert proc.returncode == 2 and "--keep_reference_copy keeps the copy of --reference_on_copy" in proc.stderr
 
 
-def _program():
-    spec = importlib.util.spec_from_file_location("step2_dpo_main", REPO / "step2_dpo" / "main.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
+def test_response_labels_by_hand():
+    """Position t holds token t+1 when that token is a real response token (index >= prompt_len, not
+    padding): the logits at t predict it. Everything else is IGNORE_INDEX."""
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8, 0], [9, 10, 11, 0, 0]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]]), "prompt_len": torch.tensor([2, 1])}
+    x = IGNORE_INDEX
+    # row 0: response tokens 7 (index 2), 8 (index 3); row 1: 10 (index 1), 11 (index 2)
+    assert response_labels(batch).tolist() == [[x, 7, 8, x, x], [10, 11, x, x, x]]
+    assert at_predicting_column(torch.tensor([[1, 2, 3], [4, 5, 6]]), 0).tolist() == [[2, 3, 0], [5, 6, 0]]
 
 
 def test_sequence_logprobs_sum_response_tokens_only(tiny_dir):
-    """The program's summed response log-probs against a naive loop: prompt and padding count nothing."""
+    """Summed response log-probs against a naive loop: prompt and padding count nothing."""
     from transformers import AutoModelForCausalLM
 
     from rlhfkit.data import collate_pairs
 
-    program = _program()
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     features = [{"chosen_input_ids": [5, 6, 7, 8, 9, 10], "rejected_input_ids": [5, 6, 7, 11], "prompt_len": 3},
                 {"chosen_input_ids": [12, 13, 14, 15, 16, 17, 18], "rejected_input_ids": [12, 13, 14, 15, 16, 19, 20, 21],
                  "prompt_len": 5}]
     batch = collate_pairs(features, pad_token_id=0)
     with torch.no_grad():
-        chosen, rejected = program.sequence_logprobs(model, batch)
+        chosen, rejected = sequence_logprobs(model, batch)
         expected = []
         for seq, plen in [(f["chosen_input_ids"], f["prompt_len"]) for f in features] + \
                          [(f["rejected_input_ids"], f["prompt_len"]) for f in features]:
@@ -135,7 +137,6 @@ def test_packed_pairs_give_the_logprobs_and_gradients_of_two_rows(tiny_dir, toke
     from rlhfkit.data import collate_packed_pairs, collate_pairs, load_phase_data, tokenize_pairs
     from rlhfkit.models import load_model
 
-    program = _program()
     rows, _, _ = load_phase_data(str(shared_data / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"), 2, "pairs")
     features, _ = tokenize_pairs(rows[:4], tokenizer, max_seq_len=96)
     features.append({**features[0], "rejected_input_ids": features[0]["chosen_input_ids"][:features[0]["prompt_len"]]})
@@ -149,8 +150,8 @@ def test_packed_pairs_give_the_logprobs_and_gradients_of_two_rows(tiny_dir, toke
         loss.backward()
         return chosen.detach(), rejected.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    want = run(program.sequence_logprobs, collate_pairs(features, tokenizer.pad_token_id))
-    got = run(program.packed_sequence_logprobs, collate_packed_pairs(features, tokenizer.pad_token_id))
+    want = run(sequence_logprobs, collate_pairs(features, tokenizer.pad_token_id))
+    got = run(packed_sequence_logprobs, collate_packed_pairs(features, tokenizer.pad_token_id))
     assert want[1][-1] == 0  # the empty rejected side sums nothing, packed or not
     for g, w in zip(got[:3], want[:3]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)

@@ -1,15 +1,13 @@
-"""The DeepSpeed training engine as ``rlhfkit.training.build_engine`` builds it."""
+"""The DeepSpeed training engine as ``rlhfkit.engines.build_engine`` builds it."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 
 from testutils import run_program
 
 
-@pytest.mark.distributed
 def test_one_rank_zero0_skips_the_gradient_all_reduce_with_the_same_bits(tiny_dir, tmp_path):
     """One data-parallel rank at ZeRO-0: no all-reduce after backward, and two bf16 AdamW steps land on
     exactly the parameters that DeepSpeed's all-reduce path gives."""

@@ -1,0 +1,23 @@
+"""Step 2 (reward model) flags: one typed config, step 1's shared parts of :mod:`rlhfkit.config`
+plus the pair options, with the reward model's own defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rlhfkit.config import (
+    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, require,
+)
+
+
+@dataclass
+class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs):
+    """Step 2 flags: those of step 1 (DeepSpeed-Chat names). No --num_padding_at_beginning: the
+    score is read at the last real token, whatever the padding."""
+
+    learning_rate: float = arg(5e-6, "Peak learning rate.")
+    per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
+
+    def validate(self) -> None:
+        require(self, "model_name_or_path", "data_path", "output_dir")
+        check_common(self)
