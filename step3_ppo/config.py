@@ -1,18 +1,21 @@
-"""Step 3 flags: one typed config (DeepSpeed-Chat names where it has them)."""
+"""Step 3 flags: one typed config (DeepSpeed-Chat names where it has them), composed from the shared
+parts of :mod:`rlhfkit.config` plus step 3's own, and the values derived from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from rlhfkit.config import ZERO3_BLOCK_LEAVES_HELP, arg, require
+from rlhfkit.algos.kl import KL_ESTIMATORS
+from rlhfkit.algos.losses import LOSS_AGG_MODES
+from rlhfkit.config import AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeArgs, arg, require
 from rlhfkit.errors import ConfigError
-from rlhfkit.rl import ALGOS
-from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS
+from rlhfkit.rl import ALGOS, AlgoSpec
+from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS, RolloutOptions
 
 
 @dataclass
-class Step3Models:
+class Step3Models(LoadArgs):
     actor_model_name_or_path: Optional[str] = arg(None, "Step-1 (SFT) checkpoint: the actor, and the frozen reference.")
     critic_model_name_or_path: Optional[str] = arg(None, "Step-2 reward model: initialises the critic (PPO); also the reward model unless --reward_model_name_or_path.")
     reward_model_name_or_path: Optional[str] = arg(None, "Frozen reward model (default: --critic_model_name_or_path).")
@@ -20,12 +23,10 @@ class Step3Models:
     reward_fn_weight: float = arg(1.0, "Weight of --reward_fn in the summed reward.")
     reward_model_weight: float = arg(1.0, "Weight of the reward model in the summed reward.")
     format_bonus: float = arg(0.0, "gsm8k: extra reward when the answer is stated as '#### n' or \\boxed{n}.")
-    trust_remote_code: bool = arg(False, "Allow model code shipped inside model directories to run.")
-    allow_pickle_weights: bool = arg(False, "Allow loading pickled weights (.bin/.pt).")
     attn_implementation: str = arg("auto", "Attention kernel of the four models, passed to transformers (sdpa, eager, "
                                            "flash_attention_2, ...). auto: the model's default (SDPA). Unlike steps 1-2, not eager "
                                            "on the CPU: generation dominates step 3, and eager attention copies a grouped-query "
-                                           "model's KV cache at every token (GRPO bench: generation 4.1 s vs 3.4 s, training equal).")
+                                           "model's KV cache at every decoded token.")
     actor_gradient_checkpointing: bool = arg(False, "Gradient checkpointing for the actor.")
     critic_gradient_checkpointing: bool = arg(False, "Gradient checkpointing for the critic.")
     actor_dropout: Optional[float] = arg(0.0, "Actor dropout (0 keeps log-probs of old and new policy comparable).")
@@ -81,7 +82,7 @@ class Step3Algo:
                                   "responses). With several updates a batch, mini-batches then hold whole groups: G must "
                                   "divide --per_device_training_batch_size.")
     kl_ctl: float = arg(0.1, "KL coefficient beta: in the reward (ppo, rloo, reinforce_pp) or in the loss (grpo).", aliases=["--init_kl_coef"])
-    kl_estimator: str = arg("k1", "KL estimator: k1, k2 or k3 (k3 is the usual choice in the GRPO loss).")
+    kl_estimator: str = arg("k1", f"KL estimator: {', '.join(KL_ESTIMATORS)} (k3 is the usual choice in the GRPO loss).")
     target_kl: Optional[float] = arg(None, "Adaptive KL controller target (PPO-penalty); None = fixed coefficient.")
     kl_horizon: int = arg(10000, "Adaptive KL controller horizon.")
     clip_reward_value: Optional[float] = arg(5.0, "Clip sequence scores to [-c, c] (None: no clipping).")
@@ -93,7 +94,7 @@ class Step3Algo:
     clip_eps_high: Optional[float] = arg(None, "Upper clip epsilon (DAPO clip-higher: 0.28).")
     cliprange_value: float = arg(0.2, "Value clip range.")
     whiten_advantages: bool = arg(False, "Whiten advantages over the whole global batch.")
-    loss_agg: str = arg("token_mean", "Loss aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum.")
+    loss_agg: str = arg("token_mean", f"Loss aggregation: {', '.join(LOSS_AGG_MODES)}.")
     ppo_epochs: int = arg(1, "Passes over each batch of experience.")
     dynamic_sampling: bool = arg(False, "DAPO: drop groups whose rewards are all equal; sample more prompts until the batch is full.")
     max_sampling_rounds: int = arg(4, "DAPO dynamic sampling: most generation rounds per step.")
@@ -105,55 +106,30 @@ class Step3Algo:
 
 
 @dataclass
-class Step3Train:
+class Step3Train(AdamArgs, RunLengthArgs, RuntimeArgs):
     per_device_generation_batch_size: int = arg(4, "Prompts per rank per generation batch.")
     per_device_training_batch_size: int = arg(4, "Samples per rank per PPO mini-batch (one optimiser step each).")
     generation_batches: int = arg(1, "Generation batches collected before training.")
-    num_train_epochs: int = arg(1, "Passes over the prompts.")
-    max_steps: Optional[int] = arg(None, "Stop after this many PPO steps (rollout + training); None = the epochs.")
     actor_learning_rate: float = arg(1e-6, "Actor peak learning rate.")
     critic_learning_rate: float = arg(5e-6, "Critic peak learning rate.")
     actor_weight_decay: float = arg(0.0, "Actor weight decay.")
     critic_weight_decay: float = arg(0.0, "Critic weight decay.")
-    adam_beta1: float = arg(0.9, "AdamW beta1.")
-    adam_beta2: float = arg(0.95, "AdamW beta2.")
     lr_scheduler_type: str = arg("constant_with_warmup", "Learning-rate schedule of actor and critic.")
-    num_warmup_steps: int = arg(0, "Warm-up optimiser steps.")
-    gradient_clipping: float = arg(1.0, "Gradient norm clipping (0 disables).")
     actor_zero_stage: int = arg(0, "ZeRO stage of the actor (and the reference).")
     critic_zero_stage: int = arg(0, "ZeRO stage of the critic (and the reward model).")
-    offload: bool = arg(False, "Offload actor/critic optimizer state (and params under ZeRO-3) to CPU.")
-    zero3_block_leaves: bool = arg(True, ZERO3_BLOCK_LEAVES_HELP)
     offload_reference_model: bool = arg(False, "Keep the reference model's parameters in CPU memory (ZeRO-3 offload).")
     offload_reward_model: bool = arg(False, "Keep the reward model's parameters in CPU memory (ZeRO-3 offload).")
-    dtype: str = arg("bf16", "bf16, fp16 or fp32.")
     actor_lora_dim: int = arg(0, "Actor LoRA rank (0: off).")
     actor_lora_module_name: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "Actor LoRA target modules.")
     critic_lora_dim: int = arg(0, "Critic LoRA rank (0: off).")
     critic_lora_module_name: str = arg("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "Critic LoRA target modules.")
     only_optimize_lora: bool = arg(False, "Train only LoRA weights (and the critic's value head).")
-    local_rank: int = arg(-1, "Set by the deepspeed launcher.")
-    dist_timeout_s: int = arg(600, "Collective timeout in seconds.")
-    seed: int = arg(1234, "Random seed.")
 
 
 @dataclass
-class Step3Log:
-    output_dir: Optional[str] = arg(None, "Where actor/, critic/ (and actor_ema/) are written (required).")
-    enable_tensorboard: bool = arg(False, "Write TensorBoard event files.")
-    tensorboard_path: Optional[str] = arg(None, "TensorBoard directory (default: <output_dir>/logs/tensorboard).")
-    eval_interval: int = arg(0, "Evaluate on held-out prompts every N steps (0: before and after training only).")
-    log_interval: int = arg(1, "Log every N steps.")
-    progress_bar: bool = arg(True, "Progress bar with ETA on rank 0.")
-    save_interval: int = arg(0, "Save a training state every N PPO steps under <output_dir>/training_state (0: never).")
-    keep_last_k: int = arg(2, "Training states kept; older ones are deleted once a newer one is complete.")
-    resume: Optional[str] = arg(None, "'auto' (the newest complete state in --output_dir, if any) or a training-state directory.")
-    resume_allow_config_change: bool = arg(False, "Resume even if settings that change the run differ from the saved run's.")
-    max_nonfinite_steps: int = arg(10, "Stop after this many consecutive NaN/Inf losses (each such update is skipped).")
+class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train, LogArgs):
+    """Every flag of step 3. The properties below are the values derived from them, computed here once."""
 
-
-@dataclass
-class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train, Step3Log):
     def validate(self) -> None:
         require(self, "actor_model_name_or_path", "data_path", "output_dir")
         for flag in ("actor_zero_stage", "critic_zero_stage"):
@@ -163,17 +139,17 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError(f"--dtype {self.dtype}: use bf16, fp16 or fp32")
         if self.algo not in ALGOS:
             raise ConfigError(f"--algo {self.algo}: choose one of {', '.join(ALGOS)}")
-        spec = ALGOS[self.algo]
+        spec = self.spec
         if spec.needs_critic and not self.critic_model_name_or_path:
             raise ConfigError(f"--algo {self.algo} trains a critic: pass --critic_model_name_or_path (a step-2 reward model)")
         if not (self.reward_fn or self.reward_model_name_or_path or self.critic_model_name_or_path):
             raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path) and/or --reward_fn")
         if spec.needs_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
-        if self.loss_agg not in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
-            raise ConfigError(f"--loss_agg {self.loss_agg}: use token_mean, seq_mean_token_mean or seq_mean_token_sum")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ConfigError(f"--kl_estimator {self.kl_estimator}: use k1, k2 or k3")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ConfigError(f"--loss_agg {self.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"--kl_estimator {self.kl_estimator}: use one of {', '.join(KL_ESTIMATORS)}")
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ConfigError(f"--rollout_backend {self.rollout_backend}: choose one of {', '.join(ROLLOUT_BACKENDS)}")
         for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches", "ppo_epochs",
@@ -189,17 +165,69 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError("--max_steps must be >= 1")
 
     @property
+    def spec(self) -> AlgoSpec:
+        """The algorithm's registry entry (:mod:`rlhfkit.rl`)."""
+        return ALGOS[self.algo]
+
+    @property
     def samples_per_rank(self) -> int:
-        """Samples each rank trains on per step (derived once, here)."""
+        """Samples each rank trains on per step."""
         return self.per_device_generation_batch_size * self.generation_batches * self.n_samples_per_prompt
 
     @property
+    def updates_per_step(self) -> int:
+        """Optimiser steps of the actor (and critic) per PPO step: one per mini-batch, each epoch."""
+        return self.ppo_epochs * self.samples_per_rank // self.per_device_training_batch_size
+
+    @property
+    def old_logprobs_from_training(self) -> bool:
+        """With one update per batch the policy being trained IS the one that sampled, so that update's
+        own forward pass gives the "old" logprobs (detached) and the experience pass skips the actor (as
+        TRL and verl do). Not when the KL goes into the reward: the advantages need it before training."""
+        return self.updates_per_step == 1 and not self.spec.kl_in_reward
+
+    @property
+    def packed_group_size(self) -> int:
+        """G when every pass over a batch runs each group of G samples as one row (``--pack_groups``), else 1.
+
+        One layout for the actor's and the reference's passes and the updates makes the first update's
+        ratio exactly 1 and the KL to the reference exactly 0 while the policy is the reference (in bf16
+        packed and unpacked rows round differently). With several updates a batch, mini-batches then
+        hold whole groups, so G must divide them; otherwise nothing is packed."""
+        G = self.n_samples_per_prompt
+        whole_groups = self.old_logprobs_from_training or self.per_device_training_batch_size % G == 0
+        return G if self.pack_groups and whole_groups else 1
+
+    def total_steps(self, prompt_batches_per_epoch: int) -> int:
+        """PPO steps of the run: the epochs over the prompts, capped by ``--max_steps``."""
+        steps_per_epoch = max(1, prompt_batches_per_epoch // self.generation_batches)
+        return min(self.max_steps or 10**12, steps_per_epoch * self.num_train_epochs)
+
+    @property
     def clip_eps(self) -> tuple[float, float]:
-        spec = ALGOS[self.algo]
-        default_low, default_high = spec.clip_eps if self.algo == "dapo" else (self.cliprange, self.cliprange)
+        """(low, high) clip range: the flags, else the algorithm's own (DAPO), else --cliprange."""
+        default_low, default_high = self.spec.clip_eps or (self.cliprange, self.cliprange)
         return (self.clip_eps_low if self.clip_eps_low is not None else default_low,
                 self.clip_eps_high if self.clip_eps_high is not None else default_high)
 
     @property
+    def critic_path(self) -> Optional[str]:
+        """The step-2 model the critic starts from, for algorithms that train one."""
+        return self.critic_model_name_or_path if self.spec.needs_critic else None
+
+    @property
+    def reward_path(self) -> Optional[str]:
+        """The frozen reward model: --reward_model_name_or_path, else the critic's step-2 model."""
+        return self.reward_model_name_or_path or self.critic_model_name_or_path
+
+    @property
+    def rollout_options(self) -> RolloutOptions:
+        """The rollout backend's options (each backend reads those it has)."""
+        return RolloutOptions(keep_copy=self.keep_inference_copy, inference_tp_size=self.inference_tp_size,
+                              release_inference_cache=self.release_inference_cache, pin_parameters=not self.unpin_actor_parameters,
+                              tp_gather_partition_size=self.tp_gather_partition_size)
+
+    @property
     def backend(self) -> str:
+        """The rollout backend (``--enable_hybrid_engine`` is DeepSpeed-Chat's name for ``deepspeed``)."""
         return "deepspeed" if self.enable_hybrid_engine else self.rollout_backend

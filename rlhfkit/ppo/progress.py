@@ -1,0 +1,53 @@
+"""Where a step-3 run stands, beside its engines and RNGs: what a training state records so that a
+resumed run continues exactly (the step, the counters, the position in the prompts and PTX data, the
+KL coefficient, the evaluations so far, each rank's EMA shard)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlhfkit import distributed as dist
+from rlhfkit.algos import AdaptiveKLController, FixedKLController, masked_sum
+from rlhfkit.experience import Experience
+from rlhfkit.loaders import BatchStream
+
+
+@dataclass
+class Progress:
+    prompts: BatchStream  # the training prompts, endless, with their position
+    ptx: Optional[BatchStream] = None  # the PTX (pretraining) batches, or None
+    step: int = 0  # PPO steps done
+    samples: int = 0  # samples trained on, all ranks
+    tokens: float = 0.0  # response tokens trained on, all ranks
+    evals: list[dict] = field(default_factory=list)  # {"step": N, metric: value} of each held-out evaluation
+
+    def restore(self, restored: dict, kl_ctl: Any, ema: Optional[Any]) -> None:
+        """Continue from a training state (``RunState.restore()``'s result)."""
+        c, extra = restored["counters"], restored["extra"]
+        self.step, self.samples, self.tokens = c["step"], c["samples"], c["tokens"]
+        self.prompts = BatchStream(self.prompts.loader, **c["prompts"])
+        if self.ptx is not None:
+            self.ptx = BatchStream(self.ptx.loader, **c["ptx"])
+        kl_ctl.load_state_dict(extra["kl_ctl"])
+        self.evals = extra["evals"]
+        if ema is not None:
+            ema.load_state_dict(restored["rank_extra"]["ema"])
+
+    def save(self, run_state: Any, kl_ctl: Any, ema: Optional[Any]) -> None:
+        """Write a training state at the current step."""
+        counters = {"samples": self.samples, "tokens": self.tokens, "prompts": self.prompts.position(),
+                    **({"ptx": self.ptx.position()} if self.ptx is not None else {})}
+        run_state.save(self.step, counters, extra={"kl_ctl": kl_ctl.state_dict(), "evals": self.evals},
+                       rank_extra={"ema": ema.state_dict()} if ema is not None else None)
+
+
+def update_kl_controller(kl_ctl: Any, exp: Experience) -> None:
+    """Feed the adaptive KL controller (PPO-penalty) the batch's mean KL per sequence over all ranks."""
+    seq_kl = masked_sum(exp.kl, exp.action_mask, dim=-1)
+    kl_ctl.update(dist.all_reduce_mean(seq_kl.mean().detach()).item(), len(exp) * dist.world_size())
+
+
+def kl_controller(cfg: Any) -> Any:
+    """A fixed KL coefficient, or the adaptive one with ``--target_kl``."""
+    return AdaptiveKLController(cfg.kl_ctl, cfg.target_kl, cfg.kl_horizon) if cfg.target_kl else FixedKLController(cfg.kl_ctl)

@@ -1,0 +1,179 @@
+"""Step 3's training phase: advantages for a batch of experience, then ``ppo_epochs`` passes of
+mini-batch updates of the actor (and the critic).
+
+One update (:func:`ppo_update`) composes the pure losses of :mod:`rlhfkit.algos`:
+
+    loss_actor  = policy_loss(PPO-clip)  [+ beta * KL(actor || ref) in the loss]  [+ unsup_coef * PTX SFT loss]
+    loss_critic = clipped value loss
+
+Each loss is normalised by the global token / sequence counts divided by the world size (the
+contract at the top of :mod:`rlhfkit.algos.losses`), so DeepSpeed's gradient average over ranks
+equals the gradient of the whole global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from rlhfkit import distributed as dist
+from rlhfkit.algos import clipped_value_loss, kl_estimate, kl_loss, masked_mean, ppo_policy_loss, sft_loss
+from rlhfkit.experience import Experience, actor_forward, critic_forward, packs_groups
+from rlhfkit.rl import AlgoSpec, compute_advantages
+from rlhfkit.loaders import to_device
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateSettings:
+    """What one update needs from step 3's config (:meth:`from_config`)."""
+
+    clip_eps_low: float  # PPO ratio clip range below 1
+    clip_eps_high: float  # and above 1 (DAPO's clip-higher when larger)
+    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    temperature: float  # the rollouts' sampling temperature: logprobs are taken at it
+    kl_in_loss: bool  # beta * KL(actor || reference) is part of the actor loss (GRPO)
+    kl_estimator: str  # k1 | k2 | k3, for the KL in the loss and the "old" KL of the metrics
+    unsup_coef: float  # weight of the PTX (pretraining SFT) loss
+    cliprange_value: float  # critic value clip range
+    ppo_epochs: int  # passes over each batch
+    minibatch_size: int  # samples per mini-batch (one optimiser step each)
+    seed: int  # mini-batch shuffling: seed + rank
+
+    @staticmethod
+    def from_config(cfg: Any) -> "UpdateSettings":
+        """From a :class:`step3_ppo.config.Step3Config`."""
+        low, high = cfg.clip_eps
+        return UpdateSettings(clip_eps_low=low, clip_eps_high=high, loss_agg=cfg.loss_agg, temperature=cfg.temperature,
+                              kl_in_loss=cfg.spec.kl_in_loss, kl_estimator=cfg.kl_estimator, unsup_coef=cfg.unsup_coef,
+                              cliprange_value=cfg.cliprange_value, ppo_epochs=cfg.ppo_epochs,
+                              minibatch_size=cfg.per_device_training_batch_size, seed=cfg.seed)
+
+
+@dataclass
+class Trainables:
+    """The trained side of step 3: the actor and critic engines, and the actor's EMA."""
+
+    actor: Any  # DeepSpeed engine (anything with __call__, backward(loss), step(), train())
+    critic: Optional[Any] = None  # DeepSpeed engine of the value model, None for critic-free algorithms
+    ema: Optional[Any] = None  # rlhfkit.params.ParamEMA of the actor, updated after each mini-batch
+
+
+@dataclass
+class UpdateStats:
+    """What one mini-batch update measured (the metric names are :meth:`metrics`' keys)."""
+
+    policy_loss: float  # policy/loss: the PPO-clip term alone
+    clip_frac: float  # policy/clip_frac: fraction of tokens whose ratio was clipped
+    approx_kl: float  # policy/approx_kl: mean (old - new) log-ratio, the drift within the batch
+    entropy: float  # policy/entropy: mean entropy of the actor over the response tokens
+    kl_loss: Optional[float] = None  # policy/kl_loss: the KL term before its coefficient (KL in the loss)
+    ptx_loss: Optional[float] = None  # policy/ptx_loss: the PTX SFT loss before its coefficient
+    value_loss: Optional[float] = None  # value/loss (with a critic)
+    value_clip_frac: Optional[float] = None  # value/clip_frac
+
+    _NAMES = {"policy_loss": "policy/loss", "clip_frac": "policy/clip_frac", "approx_kl": "policy/approx_kl",
+              "entropy": "policy/entropy", "kl_loss": "policy/kl_loss", "ptx_loss": "policy/ptx_loss",
+              "value_loss": "value/loss", "value_clip_frac": "value/clip_frac"}
+
+    def metrics(self) -> dict[str, float]:
+        return {self._NAMES[f.name]: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def mean_metrics(stats: Iterable[UpdateStats]) -> dict[str, float]:
+    """The mean of each metric over the updates of a step."""
+    sums: dict[str, float] = {}
+    n = 0
+    for s in stats:
+        for k, v in s.metrics().items():
+            sums[k] = sums.get(k, 0.0) + v
+        n += 1
+    return {k: v / max(n, 1) for k, v in sums.items()}
+
+
+def add_advantages(exp: Experience, spec: AlgoSpec, cfg: Any, kl_coef: float) -> None:
+    """Fill ``exp``'s rewards, advantages, returns and KL by the algorithm's estimator (:mod:`rlhfkit.rl`).
+
+    Without old logprobs yet (they come from the update: ``old_logprobs_from_training``) the KL
+    estimate is 0 here; then no estimator reads it (the KL is not in the reward), only the metrics."""
+    logprobs = exp.ref_logprobs if exp.old_logprobs is None else exp.old_logprobs
+    adv = compute_advantages(spec, scores=exp.scores, logprobs=logprobs, ref_logprobs=exp.ref_logprobs, mask=exp.action_mask,
+                             values=exp.values, kl_coef=kl_coef, kl_estimator=cfg.kl_estimator,
+                             clip_reward_value=cfg.clip_reward_value, gamma=cfg.gamma, lam=cfg.lam,
+                             group_size=cfg.n_samples_per_prompt, whiten_advantages=cfg.whiten_advantages,
+                             all_reduce_sum=dist.all_reduce_sum)
+    exp.rewards, exp.advantages, exp.returns, exp.kl = adv.rewards, adv.advantages, adv.returns, adv.kl
+
+
+def global_counts(mb: Experience) -> tuple[float, float]:
+    """(tokens, sequences) in the loss over all ranks, divided by the world size: the normalisers
+    that make the rank-averaged gradient that of the global batch."""
+    norm = dist.all_reduce_sum(torch.tensor([mb.loss_mask.sum().item(), float(len(mb))], dtype=torch.float64))
+    return max(norm[0].item(), 1.0) / dist.world_size(), norm[1].item() / dist.world_size()
+
+
+def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef: float, group_size: int = 1,
+               ptx_batch: Optional[dict] = None, guard: Optional[Callable[[torch.Tensor], bool]] = None) -> UpdateStats:
+    """One optimiser step of the actor (and of the critic) on the mini-batch ``mb``.
+
+    ``mb.old_logprobs`` None means this is the batch's only update: its own logprobs, detached, are
+    the old ones (ratio exactly 1), written back into ``mb`` with the KL they give. ``group_size`` G
+    runs the actor's pass on packed groups. ``ptx_batch``: an SFT batch (input_ids, attention_mask,
+    labels) whose loss joins the actor loss. ``guard(loss)`` False skips that step (a non-finite
+    loss on some rank); every rank calls it the same number of times."""
+    guard = guard or (lambda loss: True)
+    n_tok, n_seq = global_counts(mb)
+    logp, entropy = actor_forward(models.actor, mb.sequences, mb.attention_mask, mb.prompt_len, s.temperature,
+                                  with_entropy=True, group_size=group_size)
+    if mb.old_logprobs is None:
+        mb.old_logprobs = logp.detach()
+        mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, s.kl_estimator) * mb.action_mask
+    pg_loss, pg = ppo_policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, s.clip_eps_low, s.clip_eps_high, s.loss_agg,
+                                  num_tokens=n_tok, num_seqs=n_seq)
+    loss = pg_loss
+    stats = UpdateStats(policy_loss=pg_loss.item(), clip_frac=float(pg["clip_frac"]), approx_kl=float(pg["approx_kl"]),
+                        entropy=masked_mean(entropy.detach(), mb.action_mask).item())
+    if s.kl_in_loss and kl_coef > 0:
+        kl_term = kl_loss(logp, mb.ref_logprobs, mb.loss_mask, s.kl_estimator, s.loss_agg, num_tokens=n_tok, num_seqs=n_seq)
+        loss = loss + kl_coef * kl_term
+        stats.kl_loss = kl_term.item()
+    if ptx_batch is not None:
+        logits = models.actor(input_ids=ptx_batch["input_ids"], attention_mask=ptx_batch["attention_mask"], use_cache=False).logits
+        ptx_loss, _ = sft_loss(logits, ptx_batch["labels"])
+        loss = loss + s.unsup_coef * ptx_loss
+        stats.ptx_loss = ptx_loss.item()
+    if guard(loss):
+        models.actor.backward(loss)
+        models.actor.step()
+    if models.critic is not None:
+        v = critic_forward(models.critic, mb.sequences, mb.attention_mask, mb.prompt_len)
+        vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, s.cliprange_value, s.loss_agg,
+                                         num_tokens=n_tok, num_seqs=n_seq)
+        if guard(vf_loss):
+            models.critic.backward(vf_loss)
+            models.critic.step()
+        stats.value_loss, stats.value_clip_frac = vf_loss.item(), float(vs["vf_clip_frac"])
+    if models.ema is not None:
+        models.ema.update()
+    return stats
+
+
+def train_on(models: Trainables, exp: Experience, s: UpdateSettings, *, kl_coef: float, packed_group_size: int,
+             single_update: bool, ptx_iter: Optional[Iterator[dict]] = None,
+             guard: Optional[Callable[[torch.Tensor], bool]] = None) -> dict[str, float]:
+    """``ppo_epochs`` passes over ``exp`` in shuffled mini-batches (one update each; the whole batch
+    when ``single_update``). Mini-batches run packed where the experience passes did: whole groups,
+    not trimmed, so that they keep the batch's layout. ``ptx_iter``: SFT batches, one per update, for
+    the PTX loss. Returns the mean of each update metric."""
+    models.actor.train()
+    if models.critic is not None:
+        models.critic.train()
+    rng = torch.Generator().manual_seed(s.seed + dist.rank())
+    groups = packed_group_size if packs_groups(models.actor, exp.prompt_len, exp.action_mask.shape[1], packed_group_size) else 1
+    stats = []
+    for _ in range(s.ppo_epochs):
+        for mb in [exp] if single_update else exp.minibatches(s.minibatch_size, rng, groups):
+            ptx = to_device(next(ptx_iter), models.actor.device) if ptx_iter is not None else None
+            stats.append(ppo_update(models, mb, s, kl_coef=kl_coef, group_size=groups, ptx_batch=ptx, guard=guard))
+    return mean_metrics(stats)

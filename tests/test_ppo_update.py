@@ -1,0 +1,116 @@
+"""One PPO update (rlhfkit.ppo.ppo_update) on hand-made tensors: the loss, the statistics and the
+optimiser step are the hand computation.
+
+The actor is a model whose logits are one learned bias over a two-token vocabulary, the same at
+every position: with the bias at 0 every token has logprob -ln 2, its entropy is ln 2, and the
+gradient of a token's logprob with respect to the bias is onehot(token) - 1/2."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhfkit.experience import Experience
+from rlhfkit.ppo import Trainables, UpdateSettings, mean_metrics, ppo_update
+
+LN2 = math.log(2.0)
+
+
+class BiasActor(torch.nn.Module):
+    """logits[b, t] = bias for every row and position; backward/step as a DeepSpeed engine's (SGD, lr 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.zeros(2))
+        self.device = torch.device("cpu")
+        self.steps = 0
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False, logits_to_keep=None):
+        T = input_ids.shape[1] if logits_to_keep is None else logits_to_keep
+        return SimpleNamespace(logits=self.bias.expand(input_ids.shape[0], T, 2))
+
+    def backward(self, loss):
+        loss.backward()
+
+    def step(self):
+        with torch.no_grad():
+            self.bias -= self.bias.grad
+        self.bias.grad = None
+        self.steps += 1
+
+
+SETTINGS = UpdateSettings(clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="token_mean", temperature=1.0, kl_in_loss=True,
+                          kl_estimator="k3", unsup_coef=0.5, cliprange_value=0.2, ppo_epochs=1, minibatch_size=2, seed=0)
+
+
+def batch(old_logprobs):
+    """Two samples, prompt token 0, responses (1, 0) and (0, <pad>): three tokens in the loss."""
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logp = torch.full((2, 2), -LN2)
+    ref = logp + torch.tensor([[0.0, LN2], [-LN2, 0.0]])  # d = ref - logp: 0, ln 2, -ln 2
+    adv = torch.tensor([[1.0, 1.0], [-2.0, -2.0]])
+    z = torch.zeros(2, 2)
+    return Experience(sequences=torch.tensor([[0, 1, 0], [0, 0, 1]]), attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+                      action_mask=mask, loss_mask=mask, old_logprobs=old_logprobs, ref_logprobs=ref, values=None,
+                      scores=torch.zeros(2), raw_scores=torch.zeros(2), rewards=z, advantages=adv, returns=z, kl=z,
+                      truncated=torch.zeros(2, dtype=torch.bool), prompt_len=1)
+
+
+def test_one_update_by_hand():
+    actor = BiasActor()
+    ratios = torch.tensor([[1.0, 1.5], [0.5, 1.0]])
+    mb = batch(old_logprobs=-LN2 - ratios.log())  # ratio = exp(logp - old)
+    stats = ppo_update(Trainables(actor), mb, SETTINGS, kl_coef=0.1)
+
+    # PPO-clip, eps 0.2, token mean over the 3 tokens:
+    #   (0,0) r=1.0 A=1:  -min(1.0, 1.0)     = -1.0
+    #   (0,1) r=1.5 A=1:  -min(1.5, 1.2)     = -1.2   (clipped)
+    #   (1,0) r=0.5 A=-2: -min(-1.0, -1.6)   = +1.6   (clipped)
+    policy = (-1.0 - 1.2 + 1.6) / 3
+    # k3 = e^d - d - 1 with d = 0, ln 2, -ln 2: 0, 1 - ln 2, ln 2 - 1/2 (sum 1/2)
+    kl = (0.0 + (1 - LN2) + (LN2 - 0.5)) / 3
+    assert stats.policy_loss == pytest.approx(policy)
+    assert stats.kl_loss == pytest.approx(kl)
+    assert stats.clip_frac == pytest.approx(2 / 3)
+    approx_kl = (0.0 + (1.5 - math.log(1.5) - 1) + (0.5 - math.log(0.5) - 1)) / 3  # k3 of pi_old || pi: r - ln r - 1
+    assert stats.approx_kl == pytest.approx(approx_kl)
+    assert stats.entropy == pytest.approx(LN2)
+    assert stats.value_loss is None and stats.ptx_loss is None
+
+    # gradient: only the unclipped token (0,0), y=1, moves the policy term: -A r (onehot(1) - 1/2) / 3;
+    # k3's d/dlogp = 1 - e^d: 0, -1 (y=0), +1/2 (y=0), times beta / 3
+    g_policy = torch.tensor([0.5, -0.5]) / 3
+    g_kl = 0.1 * (-1.0 * torch.tensor([0.5, -0.5]) + 0.5 * torch.tensor([0.5, -0.5])) / 3
+    torch.testing.assert_close(actor.bias.detach(), -(g_policy + g_kl))  # one SGD step, lr 1, from 0
+    assert actor.steps == 1
+
+
+def test_the_single_update_takes_its_own_logprobs_as_old():
+    actor = BiasActor()
+    mb = batch(old_logprobs=None)
+    stats = ppo_update(Trainables(actor), mb, SETTINGS, kl_coef=0.0)
+    assert stats.policy_loss == pytest.approx(-(1 + 1 - 2) / 3)  # ratio 1: -mean(A)
+    assert stats.clip_frac == 0 and stats.approx_kl == 0
+    assert stats.kl_loss is None  # coefficient 0: no KL term
+    torch.testing.assert_close(mb.old_logprobs, torch.full((2, 2), -LN2))
+    k3 = torch.tensor([[0.0, 1 - LN2], [LN2 - 0.5, 0.0]])  # the KL of the metrics, from the filled-in old logprobs
+    torch.testing.assert_close(mb.kl, k3)
+
+
+def test_ptx_and_skipped_step():
+    actor = BiasActor()
+    ptx = {"input_ids": torch.tensor([[0, 1, 1]]), "attention_mask": torch.ones(1, 3), "labels": torch.tensor([[0, 1, 1]])}
+    stats = ppo_update(Trainables(actor), batch(old_logprobs=None), SETTINGS, kl_coef=0.0, ptx_batch=ptx,
+                       guard=lambda loss: False)
+    assert stats.ptx_loss == pytest.approx(LN2)  # cross-entropy of a uniform two-token model
+    assert actor.steps == 0 and actor.bias.grad is None  # the guard refused the step
+
+
+def test_mean_metrics_over_updates():
+    from rlhfkit.ppo import UpdateStats
+
+    a = UpdateStats(policy_loss=1.0, clip_frac=0.0, approx_kl=0.5, entropy=2.0, value_loss=4.0, value_clip_frac=0.5)
+    b = UpdateStats(policy_loss=3.0, clip_frac=1.0, approx_kl=0.5, entropy=0.0, value_loss=2.0, value_clip_frac=0.0)
+    assert mean_metrics([a, b]) == {"policy/loss": 2.0, "policy/clip_frac": 0.5, "policy/approx_kl": 0.5, "policy/entropy": 1.0,
+                                    "value/loss": 3.0, "value/clip_frac": 0.25}
