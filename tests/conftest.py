@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from testutils import SHARED_DATA
+from testutils import SHARED_DATA, require_data
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,9 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data folder {SHARED_DATA} is absent (it lives beside the checkout as ../shared/data)")
-    return SHARED_DATA
+    """The real data folder ../shared/data; absent, the test skips, or fails under CI (testutils.require_data)."""
+    return require_data(SHARED_DATA)
 
 
 @pytest.fixture(scope="session")

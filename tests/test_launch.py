@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from testutils import HH, REPO, VENV_BIN, env_for_ranks, free_port
+from testutils import HH, REPO, VENV_BIN, env_for_ranks, free_port, require_data
 
 LAUNCH = REPO / "launch"
 DEEPSPEED = str(VENV_BIN / "deepspeed")
@@ -305,8 +305,7 @@ def test_bash_syntax(script):
 
 @pytest.mark.distributed
 def test_two_nodes_no_ssh(tiny_dir, tmp_path):
-    if not HH.exists():
-        pytest.skip(f"{HH} is absent")
+    require_data(HH)
     out = tmp_path / "sft"
     port = str(free_port())
     procs = []

@@ -45,18 +45,20 @@ def test_sft_killed_mid_step_resumes_exactly_and_dead_rank_ends_job(tiny_dir, da
     t = time.time()
     proc = run_program("step1_sft/main.py", sft_args(tiny_dir, data, out), nprocs=2, check=False,
                        env_extra={"RLHFKIT_FAULT_KILL": "train_step:4"})
-    # rank 0 died (SIGKILL) inside its 4th training step: the job ends, non-zero, promptly, naming a rank
+    # rank 0 died (SIGKILL) inside its 4th training step: the job ends, non-zero, promptly, and the
+    # surviving rank says in its own line why it stops (run_main), not with a stack
     assert proc.returncode != 0 and time.time() - t < 300
     assert "SIGKILL at train_step #4" in proc.stdout
-    assert "rank 1 of 2" in proc.stderr or "--local_rank=1" in proc.stdout + proc.stderr
+    assert "error: rank 1 of 2: a collective operation failed, so another rank died" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert [p.name for p in (out / "training_state").iterdir()] == ["step_2"]
     proc = run_program("step1_sft/main.py", sft_args(tiny_dir, data, out, "--resume", "auto"), nprocs=2)
     assert "continuing from" in proc.stdout and identical(ref, out)
 
 
-@pytest.mark.distributed
 def test_sft_clean_stop_then_resume_matches(tiny_dir, data, tmp_path):
-    """A run that ends after its --save_interval (max_steps 2), continued to 5, equals a 5-step run."""
+    """A run that ends after its --save_interval (max_steps 2), continued to 5, equals a 5-step run.
+    One rank, ZeRO-0: the stop and the resume are the point (the test above resumes 2 ranks)."""
     ref = tmp_path / "five"
     run_program("step1_sft/main.py", sft_args(tiny_dir, data, ref, "--zero_stage", "0"), nprocs=1)
     out = tmp_path / "two_then_five"

@@ -9,10 +9,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO / ".." / "shared" / "data").resolve()
 HH = SHARED_DATA / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"
 VENV_BIN = Path(sys.executable).parent
+
+
+def data_is_required() -> bool:
+    """Whether a test that needs the real data must fail, not skip, when it is absent: under
+    RLHFKIT_REQUIRE_DATA=1 (.ci/run sets it) or, unless RLHFKIT_REQUIRE_DATA says otherwise, under CI
+    (set by CI services), where a skipped real-data test would hide that it never ran."""
+    if "RLHFKIT_REQUIRE_DATA" in os.environ:
+        return os.environ["RLHFKIT_REQUIRE_DATA"] == "1"
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_data(path: Path) -> Path:
+    """``path`` (a file or folder of the real data), or skip the test when it is absent; fail it
+    instead where :func:`data_is_required`."""
+    if path.exists():
+        return path
+    message = f"real data {path} is absent (it lives beside the checkout as ../shared/data)"
+    if data_is_required():
+        pytest.fail(f"{message}; CI or RLHFKIT_REQUIRE_DATA=1 forbids skipping the tests that need it", pytrace=False)
+    pytest.skip(message)
 
 
 def free_port() -> int:

@@ -3,6 +3,7 @@ data (the pipeline launcher at its `tiny` preset); every output loads with plain
 actor answers a chat prompt."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,8 +42,11 @@ def test_pipeline_tiny_preset_on_the_default_model(base_dir, shared_data, tmp_pa
     for stage, name in (("step1", "sft"), ("step2", "reward"), ("step3/actor", "actor"), ("step3/critic", "critic")):
         manifest = json.loads((run / stage / "rlhfkit.json").read_text())
         assert manifest["stage"] == name and manifest["world_size"] == 2 and manifest["zero_stage"] == 3
+    # SFT lowered the held-out loss: the tiny preset's 4 steps take about 0.02 nats off the 8 held-out rows
+    # (perplexity x 0.98); at least half of that is required
     sft = json.loads((run / "step1" / "rlhfkit.json").read_text())["metrics"]
-    assert sft["eval_perplexity_after"] < sft["eval_perplexity_before"] * 1.05
+    loss_drop = math.log(sft["eval_perplexity_before"]) - math.log(sft["eval_perplexity_after"])
+    assert loss_drop > 0.01, sft
     assert "held-out reward" in proc.stdout and "step-1 model" in proc.stdout
     chat = subprocess.run([sys.executable, "-c", CHAT, str(run / "step3" / "actor"), str(run / "step1"), str(run / "step2")],
                           capture_output=True, text=True, cwd="/")
