@@ -88,6 +88,7 @@ class AlgoSpec:
     kl_in_loss: bool = False  # beta * KL is added to the policy loss
     needs_groups: bool = False  # n_samples_per_prompt >= 2 required
     clip_eps: Optional[tuple[float, float]] = None  # the algorithm's (low, high) clip range; None: --cliprange both sides
+    kl_estimator: str = "k1"  # default --kl_estimator: k1 in the reward; k3 in the loss (k1's gradient is 0 on-policy)
     source: str = ""  # the paper
 
     def __post_init__(self) -> None:
@@ -157,7 +158,8 @@ def rloo(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
 ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec(name="ppo", advantage="gae", needs_critic=True, kl_in_reward=True,
              source="Ouyang et al. 2022; Ziegler et al. 2019"),
-    AlgoSpec(name="grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, source="Shao et al. 2024 (DeepSeekMath)"),
+    AlgoSpec(name="grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, kl_estimator="k3",
+             source="Shao et al. 2024 (DeepSeekMath)"),
     AlgoSpec(name="dapo", advantage="grpo", needs_groups=True, clip_eps=(0.2, 0.28), source="Yu et al. 2025 (DAPO)"),
     AlgoSpec(name="rloo", advantage="rloo", kl_in_reward=True, needs_groups=True, source="Ahmadian et al. 2024"),
     AlgoSpec(name="reinforce_pp", advantage="reinforce_pp", kl_in_reward=True, source="Hu 2025 (REINFORCE++)"),

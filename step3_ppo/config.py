@@ -82,7 +82,10 @@ class Step3Algo:
                                   "responses). With several updates a batch, mini-batches then hold whole groups: G must "
                                   "divide --per_device_training_batch_size.")
     kl_ctl: float = arg(0.1, "KL coefficient beta: in the reward (ppo, rloo, reinforce_pp) or in the loss (grpo).", aliases=["--init_kl_coef"])
-    kl_estimator: str = arg("k1", f"KL estimator: {', '.join(KL_ESTIMATORS)} (k3 is the usual choice in the GRPO loss).")
+    kl_estimator: Optional[str] = arg(None, f"KL estimator: {', '.join(KL_ESTIMATORS)}. Default: the algorithm's own, k1 where "
+                                             "the KL shapes the reward (ppo, rloo, reinforce_pp), k3 where it is a loss term "
+                                             "(grpo): on-policy the gradient of k1 has expectation 0, so as a loss it does not "
+                                             "regularise; k3's pulls pi toward pi_ref (in expectation, the gradient of KL(pi_ref || pi)).")
     target_kl: Optional[float] = arg(None, "Adaptive KL controller target (PPO-penalty); None = fixed coefficient.")
     kl_horizon: int = arg(10000, "Adaptive KL controller horizon.")
     clip_reward_value: Optional[float] = arg(5.0, "Clip sequence scores to [-c, c] (None: no clipping).")
@@ -148,6 +151,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
         if self.loss_agg not in LOSS_AGG_MODES:
             raise ConfigError(f"--loss_agg {self.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}")
+        if self.kl_estimator is None:
+            self.kl_estimator = spec.kl_estimator
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"--kl_estimator {self.kl_estimator}: use one of {', '.join(KL_ESTIMATORS)}")
         if self.rollout_backend not in ROLLOUT_BACKENDS:

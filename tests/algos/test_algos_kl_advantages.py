@@ -42,6 +42,49 @@ def test_k3_nonnegative_and_finite():
 
 
 # ---------------------------------------------------------------- PPO rewards
+def expected_loss_gradient(logits, ref_logits, estimator):
+    """The exact on-policy expectation over y ~ pi of grad_logits kl_estimate(log pi(y), log pi_ref(y)),
+    the gradient a KL term in the loss follows: sum_y pi(y) * grad k(y), with pi(y) as a constant weight."""
+    logits = logits.clone().requires_grad_(True)
+    logp = torch.log_softmax(logits, -1)
+    per_token = kl_estimate(logp[None], torch.log_softmax(ref_logits, -1)[None], estimator)[0]
+    (logp.exp().detach() * per_token).sum().backward()
+    return logits.grad
+
+
+def test_on_policy_k1_loss_gradient_is_zero_and_k3_pulls_toward_the_reference():
+    """Why the KL in GRPO's loss defaults to k3: over the policy's own samples the gradient of k1 = log pi - log
+    pi_ref averages to 0 (E_pi[grad log pi] = 0), so as a loss term it regularises nothing; k3's gradient,
+    (1 - pi_ref/pi) grad log pi, averages to -sum_y pi_ref(y) grad log pi(y) = grad KL(pi_ref || pi)."""
+    logits, ref_logits = torch.tensor([1.0, 0.0, -1.0]), torch.tensor([0.0, 0.5, 0.0])
+    assert torch.allclose(expected_loss_gradient(logits, ref_logits, "k1"), torch.zeros(3), atol=1e-7)
+    # by hand: grad_logits log pi(y) = onehot(y) - pi, so -sum_y pi_ref(y) (onehot(y) - pi) = pi - pi_ref
+    pi, pi_ref = torch.softmax(logits, -1), torch.softmax(ref_logits, -1)
+    k3 = expected_loss_gradient(logits, ref_logits, "k3")
+    assert torch.allclose(k3, pi - pi_ref, atol=1e-6)
+    x = logits.clone().requires_grad_(True)  # the same by autograd: grad of KL(pi_ref || pi)
+    (pi_ref * (pi_ref.log() - torch.log_softmax(x, -1))).sum().backward()
+    assert torch.allclose(k3, x.grad, atol=1e-6)
+    step = logits - 1.0 * k3  # a gradient step on the k3 term moves pi toward pi_ref
+    assert (torch.softmax(step, -1) - pi_ref).abs().sum() < (pi - pi_ref).abs().sum()
+
+
+def test_grpo_defaults_to_k3_in_its_loss_and_the_reward_shaping_algorithms_to_k1():
+    from step3_ppo.config import Step3Config
+
+    def estimator(*flags):
+        cfg = Step3Config(actor_model_name_or_path="a", data_path="d", output_dir="o", reward_fn="gsm8k",
+                          critic_model_name_or_path="c", n_samples_per_prompt=2)
+        for name, value in flags:
+            setattr(cfg, name, value)
+        cfg.validate()
+        return cfg.kl_estimator
+
+    assert estimator(("algo", "grpo")) == "k3"
+    assert [estimator(("algo", a)) for a in ("ppo", "rloo", "reinforce_pp", "dapo")] == ["k1"] * 4
+    assert estimator(("algo", "grpo"), ("kl_estimator", "k1")) == "k1"  # an explicit choice stands
+
+
 def test_kl_penalized_rewards_score_on_last_real_token():
     lp = torch.tensor([[-1.0, -1.0, -1.0, -1.0], [-2.0, -2.0, -2.0, -2.0], [-1.0, -1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.5, -1.5, -1.5], [-1.0, -1.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]])
