@@ -88,6 +88,7 @@ class AlgoSpec:
     kl_in_loss: bool = False  # beta * KL is added to the policy loss
     needs_groups: bool = False  # n_samples_per_prompt >= 2 required
     clip_eps: Optional[tuple[float, float]] = None  # the algorithm's (low, high) clip range; None: --cliprange both sides
+    whiten_advantages: bool = False  # default --whiten_advantages
     kl_estimator: str = "k1"  # default --kl_estimator: k1 in the reward; k3 in the loss (k1's gradient is 0 on-policy)
     source: str = ""  # the paper
 
@@ -156,7 +157,7 @@ def rloo(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
 
 
 ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
-    AlgoSpec(name="ppo", advantage="gae", needs_critic=True, kl_in_reward=True,
+    AlgoSpec(name="ppo", advantage="gae", needs_critic=True, kl_in_reward=True, whiten_advantages=True,
              source="Ouyang et al. 2022; Ziegler et al. 2019"),
     AlgoSpec(name="grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, kl_estimator="k3",
              source="Shao et al. 2024 (DeepSeekMath)"),

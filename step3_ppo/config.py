@@ -96,7 +96,9 @@ class Step3Algo:
     clip_eps_low: Optional[float] = arg(None, "Lower clip epsilon (DAPO: 0.2).")
     clip_eps_high: Optional[float] = arg(None, "Upper clip epsilon (DAPO clip-higher: 0.28).")
     cliprange_value: float = arg(0.2, "Value clip range.")
-    whiten_advantages: bool = arg(False, "Whiten advantages over the whole global batch.")
+    whiten_advantages: Optional[bool] = arg(None, "Whiten advantages over the whole global batch. Default: the algorithm's "
+                                                  "own, on for ppo (as TRL and OpenRLHF do), off where advantages are "
+                                                  "already normalised per group (grpo, dapo) or returns are (reinforce_pp).")
     loss_agg: str = arg("token_mean", f"Loss aggregation: {', '.join(LOSS_AGG_MODES)}.")
     ppo_epochs: int = arg(1, "Passes over each batch of experience.")
     dynamic_sampling: bool = arg(False, "DAPO: drop groups whose rewards are all equal; sample more prompts until the batch is full.")
@@ -153,6 +155,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError(f"--loss_agg {self.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}")
         if self.kl_estimator is None:
             self.kl_estimator = spec.kl_estimator
+        if self.whiten_advantages is None:
+            self.whiten_advantages = spec.whiten_advantages
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"--kl_estimator {self.kl_estimator}: use one of {', '.join(KL_ESTIMATORS)}")
         if self.rollout_backend not in ROLLOUT_BACKENDS:

@@ -69,20 +69,24 @@ def test_on_policy_k1_loss_gradient_is_zero_and_k3_pulls_toward_the_reference():
     assert (torch.softmax(step, -1) - pi_ref).abs().sum() < (pi - pi_ref).abs().sum()
 
 
-def test_grpo_defaults_to_k3_in_its_loss_and_the_reward_shaping_algorithms_to_k1():
+def test_each_algorithm_has_its_own_kl_estimator_and_whitening_defaults():
     from step3_ppo.config import Step3Config
 
-    def estimator(*flags):
+    def estimator(*flags, whiten=False):
         cfg = Step3Config(actor_model_name_or_path="a", data_path="d", output_dir="o", reward_fn="gsm8k",
                           critic_model_name_or_path="c", n_samples_per_prompt=2)
         for name, value in flags:
             setattr(cfg, name, value)
         cfg.validate()
-        return cfg.kl_estimator
+        return cfg.kl_estimator if not whiten else cfg.whiten_advantages
 
     assert estimator(("algo", "grpo")) == "k3"
     assert [estimator(("algo", a)) for a in ("ppo", "rloo", "reinforce_pp", "dapo")] == ["k1"] * 4
     assert estimator(("algo", "grpo"), ("kl_estimator", "k1")) == "k1"  # an explicit choice stands
+    # PPO whitens its GAE advantages by default (TRL, OpenRLHF); the group algorithms normalise per group
+    assert [estimator(("algo", a), whiten=True) for a in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")] == [
+        True, False, False, False, False]
+    assert estimator(("algo", "ppo"), ("whiten_advantages", False), whiten=True) is False
 
 
 def test_kl_penalized_rewards_score_on_last_real_token():
