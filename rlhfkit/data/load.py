@@ -2,7 +2,7 @@
 
 For each source separately:
   1. read every row in file order (sources.py) and detect its format (formats.py);
-  2. take this phase's share of a seeded permutation of all row indices (splits.py);
+  2. take this phase's share of a seeded permutation of the rows, grouped by prompt (splits.py);
   3. convert the share's rows, skipping (and counting) those unusable for ``need``,
      or raising on the first one under ``strict``;
   4. cut the usable rows into train and eval.
@@ -11,12 +11,13 @@ The sources' train lists are concatenated (blended), and so are their eval lists
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 
 from rlhfkit.data.formats import NEEDS, Example, Skip, convert_row, detect_format
 from rlhfkit.data.sources import read_source, split_paths
-from rlhfkit.data.splits import STEP_NAMES, cut_eval, parse_data_split, phase_rows
+from rlhfkit.data.splits import STEP_NAMES, cut_eval, group_ids, parse_data_split, phase_rows
 from rlhfkit.errors import ConfigError, DataError
 
 FIRST_SKIPS = 5  # how many (row, reason) examples a report keeps
@@ -113,6 +114,16 @@ def _only_phase(phase: int) -> str:
     return "--data_split " + ",".join("10" if p == phase else "0" for p in (1, 2, 3))
 
 
+def prompt_key(fmt, raw, row: int):
+    """The prompt of a raw row as a string (the key that keeps rows of one prompt together), or the row
+    number for a row without a readable prompt (its own group)."""
+    value = raw.rows[row]
+    try:
+        return json.dumps(fmt.convert(value, "prompts")[0], sort_keys=True)
+    except Exception:  # noqa: BLE001 - any unreadable row is skipped later, with its reason
+        return row
+
+
 def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval):
     raw = read_source(path)
     fmt = detect_format(raw)
@@ -122,7 +133,8 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             f"{STEP_NAMES[phase]} needs {_NEED_WORDS[need]}. Use this file for a step that needs "
             f"{_NEED_WORDS[fmt.provides]}, or pass another --data_path."
         )
-    share = phase_rows(len(raw.rows), fractions, phase, seed)
+    groups = group_ids([prompt_key(fmt, raw, row) for row in range(len(raw.rows))])
+    share = phase_rows(len(raw.rows), fractions, phase, seed, groups)
     if not share:
         raise DataError(
             f"--data_split {data_split} leaves {STEP_NAMES[phase]} no rows of {path}: its share "
@@ -158,6 +170,7 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             f"{len(share)} rows of its share were {report.skips_text()}. Check the file against "
             f"its format ({report.format}), or run with --strict to stop at the first bad row."
         )
-    train, evals = cut_eval([usable[i] for i in share if i in usable], eval_fraction, max_eval)
+    kept = [i for i in share if i in usable]
+    train, evals = cut_eval([usable[i] for i in kept], eval_fraction, max_eval, [groups[i] for i in kept])
     report.train_rows, report.eval_rows = len(train), len(evals)
     return train, evals, report

@@ -6,6 +6,12 @@ fractions (``"2,4,4"`` -> 20% / 40% / 40%), as in DeepSpeed-Chat's
 ``get_raw_dataset_split_index``. Because the permutation depends only on the seed and the number
 of rows (not on rank, node, filtering or any cache file), steps 1 and 2 see disjoint rows whatever
 each of them skips, and every rank computes the same split.
+
+Rows that share a prompt (AlpacaEval-style preference sets hold several answer pairs per instruction)
+stay together: the permutation is over prompt groups, and a share or the eval cut never splits a
+group, so no prompt is trained on by one step and held out by another, or trained on and held out by
+the same step. When every prompt is distinct the groups are the rows and the split is row for row
+DeepSpeed-Chat's.
 """
 
 from __future__ import annotations
@@ -42,23 +48,37 @@ def parse_data_split(data_split: str | Sequence[float]) -> list[float]:
     return [s / total for s in shares]
 
 
-def phase_rows(n_rows: int, fractions: Sequence[float], phase: int, seed: int) -> list[int]:
+def phase_rows(n_rows: int, fractions: Sequence[float], phase: int, seed: int,
+               groups: Sequence[int] | None = None) -> list[int]:
     """Raw row indices (in permuted order) of ``phase``'s share of a source with ``n_rows`` rows.
 
-    Shares are consecutive slices of one permutation, with boundaries round(cumsum * n), the last
-    one n: the three phases are disjoint and together cover every row.
+    ``groups`` gives each row's group (its prompt), numbered 0, 1, ... in order of first appearance;
+    None: every row its own group. The groups are permuted and the shares are consecutive slices of
+    that permutation, with boundaries round(cumsum * number of groups), the last one all of them: the
+    three phases are disjoint, cover every row, and never split a group. The rows of a group follow
+    each other in file order.
     """
-    perm = np.random.RandomState(seed % 2**32).permutation(n_rows)
-    bounds = [0] + [int(round(c * n_rows)) for c in np.cumsum(fractions)]
-    bounds[-1] = n_rows
-    return [int(i) for i in perm[bounds[phase - 1]: bounds[phase]]]
+    n_groups = n_rows if groups is None else (max(groups) + 1 if len(groups) else 0)
+    perm = np.random.RandomState(seed % 2**32).permutation(n_groups)
+    bounds = [0] + [int(round(c * n_groups)) for c in np.cumsum(fractions)]
+    bounds[-1] = n_groups
+    chosen = [int(g) for g in perm[bounds[phase - 1]: bounds[phase]]]
+    if groups is None:
+        return chosen
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(groups):
+        members.setdefault(g, []).append(row)
+    return [row for g in chosen for row in members[g]]
 
 
-def cut_eval(items: list[T], eval_fraction: float, max_eval: int | None = None) -> tuple[list[T], list[T]]:
+def cut_eval(items: list[T], eval_fraction: float, max_eval: int | None = None,
+             groups: Sequence | None = None) -> tuple[list[T], list[T]]:
     """(train, eval): the first round(eval_fraction * n) items (at least one when n >= 2 and
     eval_fraction > 0, at most n - 1, at most ``max_eval``) are eval, the rest train.
 
-    ``items`` are already in permuted order, so the eval rows are a random sample.
+    ``items`` are already in permuted order, so the eval rows are a random sample. With ``groups``
+    (each item's group, items of a group adjacent) the cut moves back to the start of the group it
+    would split, or, when that leaves no eval item, forward to its end (if a train item remains).
     """
     n = len(items)
     k = 0
@@ -66,4 +86,18 @@ def cut_eval(items: list[T], eval_fraction: float, max_eval: int | None = None) 
         k = min(n - 1, max(1, int(round(eval_fraction * n))))
     if max_eval is not None:
         k = min(k, max(0, max_eval))
+    if groups is not None and 0 < k < n and groups[k] == groups[k - 1]:
+        start = k
+        while start > 0 and groups[start - 1] == groups[k]:
+            start -= 1
+        end = k
+        while end < n and groups[end] == groups[k - 1]:
+            end += 1
+        k = start if start > 0 or max_eval is not None else (end if end < n else 0)
     return items[k:], items[:k]
+
+
+def group_ids(keys: Sequence) -> list[int]:
+    """Each key's group number, in order of first appearance: ["b", "a", "b"] -> [0, 1, 0]."""
+    numbers: dict = {}
+    return [numbers.setdefault(k, len(numbers)) for k in keys]

@@ -38,6 +38,35 @@ def test_phase_rows_disjoint_and_covering():
     assert phase_rows(N, [0.2, 0.4, 0.4], 2, seed=1235) != shares[1]
 
 
+def test_rows_of_one_prompt_stay_together_in_shares_and_in_the_eval_cut(tmp_path):
+    """AlpacaEval-style data: 4 answer pairs for each of 30 prompts. No prompt is in two steps' shares, and
+    none is both trained on and held out within a step."""
+    rows = [{"prompt": f"instruction {i // 4}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    path = tmp_path / "grouped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = []
+    for phase, need in ((1, "sft"), (2, "pairs"), (3, "prompts")):
+        train, evals, _ = load_phase_data(str(path), phase, need, eval_fraction=0.15)
+        in_train = {ex.prompt[-1]["content"] for ex in train}
+        in_eval = {ex.prompt[-1]["content"] for ex in evals}
+        assert in_eval and not in_train & in_eval, (phase, in_train & in_eval)
+        assert len(train + evals) == 4 * len(in_train | in_eval)  # whole groups only
+        prompts.append(in_train | in_eval)
+    assert [len(p) for p in prompts] == [6, 12, 12]  # 30 prompts cut 2,4,4
+    assert not (prompts[0] & prompts[1]) and not (prompts[1] & prompts[2]) and not (prompts[0] & prompts[2])
+
+
+def test_grouped_cut_by_hand():
+    groups = [0, 0, 1, 1, 1, 2, 2, 3]
+    # 0.5 * 8 = 4 falls inside group 1 (items 2-4): back to its start, 2 eval items
+    assert cut_eval(list("abcdefgh"), 0.5, groups=groups) == (list("cdefgh"), list("ab"))
+    # 1 item would split group 0; going back leaves none, so forward to its end
+    assert cut_eval(list("abcdefgh"), 0.1, groups=groups) == (list("cdefgh"), list("ab"))
+    assert phase_rows(6, [1, 0, 0], 1, seed=0, groups=[0, 1, 0, 2, 1, 2]) in (
+        [0, 2, 1, 4, 3, 5], [0, 2, 3, 5, 1, 4], [1, 4, 0, 2, 3, 5], [1, 4, 3, 5, 0, 2], [3, 5, 0, 2, 1, 4], [3, 5, 1, 4, 0, 2])
+    assert phase_rows(N, [0.2, 0.4, 0.4], 2, seed=1234, groups=list(range(N))) == phase_rows(N, [0.2, 0.4, 0.4], 2, seed=1234)
+
+
 def test_load_same_seed_same_rows(pairs_file):
     a = load_phase_data(pairs_file, 1, "sft", seed=7)
     b = load_phase_data(pairs_file, 1, "sft", seed=7)
