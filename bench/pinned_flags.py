@@ -18,6 +18,7 @@ STEP3 = {
     "critic_gradient_checkpointing": False, "actor_dropout": 0.0, "critic_dropout": 0.0,
     # data
     "data_split": "2,4,4", "eval_fraction": 0.05, "max_eval_samples": 16, "max_prompt_seq_len": 256,
+    "eval_greedy": True, "eval_n_samples_per_prompt": 1,  # the held-out evaluation of revisions before sampled evals
     "max_answer_seq_len": 256, "strict": False, "group_by_length": True, "unsup_coef": 27.8,
     # generation
     "rollout_backend": "hf", "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_new_tokens": 0, "greedy_rollouts": False,

@@ -117,32 +117,57 @@ def cmd_eval(args: argparse.Namespace) -> None:
     run_eval(options_from_args(args))
 
 
+class _Removed(argparse.Action):
+    """A flag that no longer exists: parsing it stops with one line that says what to do instead."""
+
+    def __init__(self, option_strings: list[str], dest: str, instead: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise argparse.ArgumentError(self, f"removed; {self.instead}")
+
+
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "eval", help="compare the step-3 actor with a baseline on held-out prompts: reward ± CI, win rate, KL, plots",
-        description="Generates a response per prompt with --actor (and --baseline), scores them with --reward_model and/or "
-                    "--reward_fn (summed), and writes OUT/report.md, OUT/results.json and PNG plots: mean reward with a 95% "
-                    "Student-t interval, response length, truncation rate, wins/ties/losses of the actor, "
-                    "KL(actor || baseline) on the actor's responses, example pairs. Greedy decoding unless "
-                    "--temperature/--top_p are given; the same --seed gives the same results.json.")
+        "eval", help="compare the step-3 actor with a baseline on held-out prompts: reward ± CI, win rates, KL, plots",
+        description="Samples --n_samples_per_prompt responses per prompt with --actor (and --baseline) at temperature 1, "
+                    "scores them with --reward_model and/or --reward_fn (summed) and with each --judge on its own, and writes "
+                    "OUT/report.md, OUT/results.json and PNG plots: mean reward with a 95% Student-t interval over prompts, "
+                    "response length, truncation rate, the actor's win rate (ties as half) and length-controlled win rate "
+                    "with bootstrap intervals over prompts, per scorer, KL(actor || baseline) estimated on the actor's own "
+                    "samples (k3, in nats per token and per sequence), example pairs. The same --seed gives the same "
+                    "results.json.")
     p.add_argument("--actor", required=True, help="the policy to evaluate (step3/actor/; or sft, dpo, base checkpoints)")
     p.add_argument("--baseline", default=None, help="the model to compare with, usually the step-1 (SFT) checkpoint")
     p.add_argument("--reward_model", default=None, help="a reward (or critic) checkpoint, e.g. step2/; scores read at the last real token")
     p.add_argument("--reward_fn", default=None, help="gsm8k or module.path:function(prompts, responses, rows) -> scores; summed with --reward_model")
+    p.add_argument("--judge", dest="judges", action="append", default=[], metavar="DIR",
+                   help="another reward (or critic) checkpoint that scores every response of both models on its own, with its "
+                        "own win rates; repeat for several. A judge the actor was not trained against shows whether a gain "
+                        "under the training reward model holds up or exploits that model")
     p.add_argument("--prompts", nargs="+", default=[], metavar="PATH",
                    help="prompt data (any supported format; all its prompts, shuffled with --seed). Default: the actor's "
                         "held-out step-3 prompts, re-created from its manifest")
-    p.add_argument("--n", type=int, default=64, help="at most this many prompts")
+    p.add_argument("--n", type=int, default=64, help="at most this many prompts (the held-out set is at most step 3's --max_eval_samples)")
+    p.add_argument("--n_samples_per_prompt", type=int, default=4,
+                   help="responses sampled per prompt and model at temperature 1, top_p 1, top_k 0 (the policy's own "
+                        "distribution, as step 3 samples it), so win rates and the KL estimate average over what the policy "
+                        "does, not one greedy path")
+    p.add_argument("--greedy", action="store_true",
+                   help="one greedy response per prompt instead of sampling (deterministic; the KL is then only a log-ratio "
+                        "on the greedy path, not a KL estimate)")
+    p.add_argument("--temperature", "--top_p", action=_Removed, nargs="?",
+                   instead="evaluation samples at temperature 1 and top_p 1, the policy's own distribution, which the KL "
+                           "estimate needs; pass --greedy for greedy decoding")
     p.add_argument("--out", default="eval", help="output directory")
-    p.add_argument("--seed", type=int, default=1234, help="seed of the --prompts shuffle and of sampling")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="seed of the --prompts shuffle, of sampling (the same for both models) and of the bootstrap")
     p.add_argument("--max_new_tokens", type=int, default=128, help="longest response; one without EOS by then is truncated")
     p.add_argument("--max_prompt_len", type=int, default=None,
                    help="prompts are left-truncated at a turn boundary to this many tokens, or dropped "
                         "(default: the actor's step-3 max_prompt_seq_len, else 512)")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (the default; forbids --temperature/--top_p)")
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (seeded per model) instead of greedy")
-    p.add_argument("--top_p", type=float, default=None, help="sample with this nucleus mass instead of greedy")
-    p.add_argument("--batch_size", type=int, default=8, help="prompts per generation / forward batch")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per generation / forward batch (more: faster, more memory)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="auto: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to run (auto: cuda if visible)")
     p.add_argument("--examples", type=int, default=4, help="example pairs shown in report.md")

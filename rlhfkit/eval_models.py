@@ -93,17 +93,34 @@ def unpack(batches: list, tokenizer: Any) -> Responses:
     return Responses(ids, tokenizer.batch_decode(ids, skip_special_tokens=True), tokens, truncated)
 
 
-def response_logprobs(model: Any, batches: list, device: str, temperature: float) -> list[float]:
-    """Sum over response tokens of log p_model(token), per sequence (fp64 sums of fp32 log-probs)."""
+def token_logprobs(model: Any, batches: list, device: str) -> list:
+    """Per batch, [B, A] fp64 log p_model(token) of each response token at temperature 1 (0 after EOS), on CPU."""
     import torch
 
     from rlhfkit.experience import actor_forward
 
-    out: list[float] = []
+    out = []
     with torch.no_grad():
         for rb in batches:
-            lp, _ = actor_forward(model, rb.sequences.to(device), rb.attention_mask.to(device), rb.prompt_ids.shape[1], temperature)
-            out += (lp.double() * rb.action_mask.to(lp.device).double()).sum(-1).tolist()
+            lp, _ = actor_forward(model, rb.sequences.to(device), rb.attention_mask.to(device), rb.prompt_ids.shape[1], 1.0)
+            out.append(lp.double().cpu() * rb.action_mask.double())
+    return out
+
+
+def kl_sums(actor_lp: list, baseline_lp: list, batches: list) -> dict[str, list[float]]:
+    """Per response (the actor's own), summed over its tokens: ``k1`` = log p_actor - log p_baseline and ``k3``
+    = exp(d) - d - 1 with d = log p_baseline - log p_actor (:func:`rlhfkit.algos.kl_estimate`), and the two
+    log-probabilities ``logprob_actor`` / ``logprob_baseline``. On samples of the actor at temperature 1 both
+    k1 and k3 are unbiased estimates of KL(actor || baseline); k3 is never negative."""
+    from rlhfkit.algos import kl_estimate
+
+    out: dict[str, list[float]] = {"k1": [], "k3": [], "logprob_actor": [], "logprob_baseline": []}
+    for a, b, rb in zip(actor_lp, baseline_lp, batches):
+        mask = rb.action_mask.double()
+        out["k1"] += (kl_estimate(a, b, "k1") * mask).sum(-1).tolist()
+        out["k3"] += (kl_estimate(a, b, "k3") * mask).sum(-1).tolist()
+        out["logprob_actor"] += a.sum(-1).tolist()
+        out["logprob_baseline"] += b.sum(-1).tolist()
     return out
 
 

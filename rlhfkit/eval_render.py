@@ -31,7 +31,7 @@ def write_plots(results: dict, out: Path) -> list[tuple[str, str]]:
     return plots
 
 
-def plot_reward_hist(rewards: dict, n_prompts: int, path: Path) -> tuple[str, str]:
+def plot_reward_hist(rewards: dict, n_responses: int, path: Path) -> tuple[str, str]:
     """Each model's rewards as a histogram on shared bins, its mean as a dashed line."""
     import numpy as np
 
@@ -44,7 +44,7 @@ def plot_reward_hist(rewards: dict, n_prompts: int, path: Path) -> tuple[str, st
         for n, r in rewards.items():
             ax.hist(r, bins=edges, alpha=0.5, color=COLORS[n], edgecolor=COLORS[n], label=f"{n} (mean {r.mean():.4g})")
             ax.axvline(r.mean(), color=COLORS[n], linestyle="--", linewidth=1.5)
-        label_axes(ax, f"Reward distribution ({n_prompts} prompts)", "reward", "prompts")
+        label_axes(ax, f"Reward distribution ({n_responses} responses per model)", "reward", "responses")
     return "Reward distribution", path.name
 
 
@@ -58,7 +58,7 @@ def plot_reward_vs_length(rows: list[dict], rewards: dict, path: Path) -> tuple[
 
 
 def plot_reward_pairs(rows: list[dict], rewards: dict, path: Path) -> tuple[str, str]:
-    """Actor against baseline reward, one point per prompt coloured by its outcome, and the diagonal."""
+    """Actor against baseline reward, one point per pair (prompt and sample) coloured by its outcome, and the diagonal."""
     import numpy as np
 
     with png_figure(path, figsize=(5, 5)) as ax:
@@ -71,8 +71,8 @@ def plot_reward_pairs(rows: list[dict], rewards: dict, path: Path) -> tuple[str,
         lo, hi = float(both.min()), float(both.max())
         pad = max(hi - lo, 1.0) * 0.05
         ax.plot([lo - pad, hi + pad], [lo - pad, hi + pad], color="black", linewidth=0.8, linestyle=":")
-        label_axes(ax, "Reward per prompt: actor vs baseline", "baseline reward", "actor reward")
-    return "Reward per prompt: actor vs baseline", path.name
+        label_axes(ax, "Reward per pair: actor vs baseline", "baseline reward", "actor reward")
+    return "Reward per pair: actor vs baseline", path.name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,23 +85,40 @@ def _reward_cell(stats: dict) -> str:
     return f"{fmt(stats['mean'])} ± {fmt(stats['ci_half_width'])} [{fmt(stats['ci_low'])}, {fmt(stats['ci_high'])}]"
 
 
+def _rate_cell(rate: float | None, ci: list | None) -> str:
+    return fmt(rate) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
+
+
 def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
     return [(name, _reward_cell(m["reward"]), fmt(m["response_tokens_mean"]), f"{100 * m['truncated_rate']:.1f}%")
             for name, m in results["models"].items()]
 
 
-def comparison_lines(results: dict) -> list[str]:
+def scorer_comparisons(results: dict) -> list[tuple[str, dict]]:
+    """(scorer, actor-vs-baseline statistics): the reward first, then each judge."""
     if "comparison" not in results:
         return []
-    c, kl, n = results["comparison"], results["kl"], results["prompts"]["count"]
-    d = c["reward_difference"]
-    return [
-        f"win rate (actor over baseline): {fmt(c['win_rate'])} — wins {c['wins']}, ties {c['ties']}, losses {c['losses']} "
-        f"of {n} (ties as half: {fmt(c['win_rate_ties_half'])})",
-        f"reward difference (actor - baseline, paired): {_reward_cell(d)}",
-        f"KL(actor || baseline): {fmt(kl['per_token'])} per token, {fmt(kl['per_sequence'])} per sequence "
-        f"({kl['tokens']} actor response tokens)",
-    ]
+    return [("reward", results["comparison"])] + [(f"judge {j}", v["comparison"]) for j, v in results.get("judges", {}).items()]
+
+
+def kl_line(kl: dict) -> str:
+    return (f"{fmt(kl['per_token'])} nats per token, {fmt(kl['per_sequence'])} per sequence (k3 on the actor's "
+            f"{kl['tokens']} response tokens; k1: {fmt(kl['k1']['per_token'])} per token, {fmt(kl['k1']['per_sequence'])} per sequence)")
+
+
+def comparison_lines(results: dict) -> list[str]:
+    lines = [f"judge {j} mean score: " + ", ".join(f"{name} {_reward_cell(ci)}" for name, ci in v["models"].items())
+             for j, v in results.get("judges", {}).items()]
+    if "comparison" not in results:
+        return lines
+    p = results["prompts"]
+    for scorer, c in scorer_comparisons(results):
+        lines += [f"win rate (actor over baseline) by the {scorer}, ties as half: "
+                  f"{_rate_cell(c['win_rate_ties_half'], c['win_rate_ties_half_ci'])}, length-controlled "
+                  f"{_rate_cell(c['lc_win_rate'], c['lc_win_rate_ci'])} — wins {c['wins']}, ties {c['ties']}, losses "
+                  f"{c['losses']} of {p['responses']} pairs ({p['count']} prompts x {p['samples_per_prompt']})",
+                  f"  {scorer} difference (actor - baseline, paired): {_reward_cell(c['reward_difference'])}"]
+    return lines + [f"KL(actor || baseline): {kl_line(results['kl'])}"]
 
 
 def headline_text(results: dict) -> str:
@@ -124,7 +141,8 @@ def build_markdown(results: dict, plots: list[tuple[str, str]]) -> str:
     reward = " + ".join(x for x in (f"reward model `{cfg['reward_model']}`" if cfg["reward_model"] else "",
                                     f"reward function `{cfg['reward_fn']}`" if cfg["reward_fn"] else "") if x)
     lines += [f"- reward: {reward}",
-              f"- prompts: {results['prompts']['count']}, {md_escape(results['prompts']['origin'])}",
+              f"- prompts: {results['prompts']['count']}, {results['prompts']['samples_per_prompt']} response(s) each per model; "
+              f"{md_escape(results['prompts']['origin'])}",
               f"- decoding: {cfg['decoding']}, up to {cfg['max_new_tokens']} new tokens; {cfg['device']}, {cfg['dtype']}",
               "", "| Model | Mean reward ± 95% CI | Response length (tokens) | Truncated |", "|---|---:|---:|---:|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in headline_rows(results)]
@@ -137,23 +155,35 @@ def build_markdown(results: dict, plots: list[tuple[str, str]]) -> str:
     st = results["statistics"]
     lines += ["", f"Confidence intervals: {st['confidence_interval']}. Ties: {st['tie']}."]
     if "comparison" in results:
-        lines += [f"KL: {st['kl']}."]
+        lines += [f"Pairs: {st['pairs']}. Win-rate intervals: {st['win_rate_interval']}. Length control: {st['length_controlled']}.",
+                  f"KL: {st['kl']}."]
     lines += ["", "## Plots", ""] + [f"![{t}]({f})\n" for t, f in plots]
     lines += ["## Examples", ""] + _examples_markdown(results)
-    lines += ["", "Per-prompt rows, every number and the settings: `results.json`."]
+    lines += ["", "One row per prompt and sample, every number and the settings: `results.json`."]
     return "\n".join(lines)
 
 
 def _comparison_markdown(results: dict) -> list[str]:
+    lines = []
+    if results.get("judges"):
+        names = list(results["models"])
+        lines += ["", "## Judges", "", "| Judge | " + " | ".join(f"{n} mean score ± 95% CI" for n in names) + " |",
+                  "|---|" + "---:|" * len(names)]
+        lines += [f"| `{md_escape(j)}` | " + " | ".join(_reward_cell(v["models"][n]) for n in names) + " |"
+                  for j, v in results["judges"].items()]
     if "comparison" not in results:
-        return []
-    c, kl = results["comparison"], results["kl"]
-    return ["", "## Actor vs baseline", "", "| Wins | Ties | Losses | Win rate | Win rate (ties as half) |",
-            "|---:|---:|---:|---:|---:|",
-            f"| {c['wins']} | {c['ties']} | {c['losses']} | {fmt(c['win_rate'])} | {fmt(c['win_rate_ties_half'])} |", "",
-            f"- reward difference (actor - baseline, paired): {_reward_cell(c['reward_difference'])}",
-            f"- KL(actor ‖ baseline) per token: {fmt(kl['per_token'])}",
-            f"- KL(actor ‖ baseline) per sequence: {fmt(kl['per_sequence'])} ({kl['tokens']} actor response tokens)"]
+        return lines
+    lines += ["", "## Actor vs baseline", "",
+              "| Scorer | Wins | Ties | Losses | Win rate (ties as half) [95% CI] | Length-controlled win rate [95% CI] | "
+              "Score difference (actor - baseline) ± 95% CI |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {md_escape(scorer)} | {c['wins']} | {c['ties']} | {c['losses']} | "
+              f"{_rate_cell(c['win_rate_ties_half'], c['win_rate_ties_half_ci'])} | {_rate_cell(c['lc_win_rate'], c['lc_win_rate_ci'])} | "
+              f"{_reward_cell(c['reward_difference'])} |" for scorer, c in scorer_comparisons(results)]
+    kl = results["kl"]
+    return lines + ["", f"- KL(actor ‖ baseline) per token (k3): {fmt(kl['per_token'])}",
+                    f"- KL(actor ‖ baseline) per sequence (k3): {fmt(kl['per_sequence'])} ± "
+                    f"{fmt(kl['per_sequence_ci']['ci_half_width'])} (95% CI over prompts; {kl['tokens']} actor response tokens)",
+                    f"- k1 (log-ratio) per token: {fmt(kl['k1']['per_token'])}, per sequence: {fmt(kl['k1']['per_sequence'])}"]
 
 
 def _examples_markdown(results: dict) -> list[str]:
@@ -161,12 +191,12 @@ def _examples_markdown(results: dict) -> list[str]:
     by_index = {r["index"]: r for r in results["rows"]}
     for ex in results["examples"]:
         r = by_index[ex["index"]]
-        lines += [f"### Prompt {r['index']} ({ex['why']})", "", fence(r["prompt"], EXAMPLE_CHARS), ""]
+        lines += [f"### Prompt {r['prompt_index']}, sample {r['sample']} ({ex['why']})", "", fence(r["prompt"], EXAMPLE_CHARS), ""]
         for name in results["models"]:
             m = r[name]
             comps = [f"{k} {fmt(m[k])}" for k in ("reward_model", "reward_fn") if k in m]
             lines += [f"**{name}** — reward {fmt(m['reward'])}" + (f" ({', '.join(comps)})" if len(comps) == 2 else "")
                       + f", {m['tokens']} tokens{', truncated' if m['truncated'] else ''}", "", fence(m["response"], EXAMPLE_CHARS), ""]
         if "outcome" in r:
-            lines += [f"Outcome: actor {r['outcome']}; log p_actor - log p_baseline = {fmt(r['kl'])}", ""]
+            lines += [f"Outcome: actor {r['outcome']}; log p_actor - log p_baseline = {fmt(r['kl_k1'])}, k3 = {fmt(r['kl_k3'])}", ""]
     return lines

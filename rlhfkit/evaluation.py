@@ -1,33 +1,38 @@
 """`rlhfkit eval`: the step-3 actor against a baseline (usually the step-1 model) on held-out prompts.
 
-One process, no DeepSpeed, CPU or one GPU. For every prompt each model generates a response
-(greedy by default; ``--temperature``/``--top_p`` sample, seeded per model); the responses are
-scored by the reward model (read at the last real token, as in steps 2 and 3) and/or a reward
-function (its rows are the prompts' dataset rows), summed when both are given. Reported:
+One process, no DeepSpeed, CPU or one GPU. For every prompt each model samples
+``--n_samples_per_prompt`` responses at temperature 1, top_p 1, top_k 0 (the policy's own
+distribution; seeded, the same seed for both models) or, with ``--greedy``, one greedy response. The
+responses are scored by the reward model (read at the last real token, as in steps 2 and 3) and/or a
+reward function (its rows are the prompts' dataset rows), summed when both are given: the *reward*.
+Each ``--judge`` (another reward model) scores every response too, on its own. Reported:
 
-- per model: mean reward with a 95% confidence interval (Student t with n - 1 degrees of freedom:
-  mean +- t * s / sqrt(n)), mean response length in tokens (EOS included), truncation rate
-  (no EOS within ``--max_new_tokens``);
-- actor vs baseline, prompt by prompt: wins / ties / losses by reward (a tie: the same response,
-  or rewards within 1e-6 of each other), and the paired reward difference with its t interval;
-- KL(actor || baseline) on the actor's own responses: per sequence, the sum over response tokens
-  of log p_actor - log p_baseline, averaged over prompts; per token, the total over all prompts
-  divided by the total number of response tokens (as step 3's ``kl/per_token``). With greedy
-  decoding this is the log-ratio on the actor's greedy responses (what step 3's held-out evaluation
-  reports), not an unbiased KL estimate; sample (``--temperature 1``) for a Monte-Carlo estimate.
-  When sampling, both log-probabilities are taken at the sampling temperature.
+- per model: mean reward with a 95% confidence interval over prompts (Student t with n - 1 degrees of
+  freedom, each prompt's value the mean over its samples), mean response length in tokens (EOS
+  included), truncation rate (no EOS within ``--max_new_tokens``); per judge, its mean score the same way;
+- actor vs baseline, pair by pair (actor sample j of a prompt against baseline sample j), by the reward
+  and by each judge: wins / ties / losses (a tie: the same response, or scores within 1e-6), the win
+  rate with ties as half and its percentile bootstrap interval over prompts (a prompt resampled with all
+  its samples, 2000 resamples), the length-controlled win rate (logistic regression of the win on the
+  length difference, predicted at equal lengths) with its bootstrap interval, and the paired reward
+  difference with its t interval;
+- KL(actor || baseline) on the actor's own samples: k3 = exp(d) - d - 1 per token, d = log p_baseline -
+  log p_actor (never negative; unbiased on samples at temperature 1), summed over a response's tokens:
+  per sequence the mean over responses, per token the total over the total number of response tokens
+  (as step 3's ``eval/kl_per_token``); k1 (the log-ratio) likewise. With ``--greedy`` neither is a KL
+  estimate, only a log-ratio on the greedy path.
 
 Prompts: ``--prompts`` (any supported data path: all of its prompts, seeded shuffle, first ``--n``),
 or by default the held-out step-3 prompts re-created from the actor's manifest (its data_path,
 data_split, seed, eval_fraction, max_eval_samples), which neither model trained on.
 
-Output (``--out``): ``report.md``, ``results.json`` (every number and the per-prompt rows; the same
-seed gives the same file), ``reward_hist.png``, ``reward_vs_length.png`` (and ``reward_pairs.png``
-with a baseline).
+Output (``--out``): ``report.md``, ``results.json`` (every number and one row per prompt and sample;
+the same seed gives the same file), ``reward_hist.png``, ``reward_vs_length.png`` (and
+``reward_pairs.png`` with a baseline).
 
 The parts: :mod:`rlhfkit.eval_models` (checkpoints, generation, log-probabilities, rewards),
-:mod:`rlhfkit.eval_prompts`, :mod:`rlhfkit.eval_stats` (pure statistics), :mod:`rlhfkit.eval_render`
-(plots, report.md). This module runs them in order and assembles results.json.
+:mod:`rlhfkit.eval_prompts`, :mod:`rlhfkit.eval_stats` (pure statistics), :mod:`rlhfkit.eval_results`
+(results.json), :mod:`rlhfkit.eval_render` (plots, report.md). This module runs them in order.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -43,13 +48,14 @@ from rlhfkit.errors import ConfigError, RlhfkitError
 
 # Some of these names are imported only to stay importable from here, where they lived before the split.
 from rlhfkit.eval_models import (  # noqa: F401
-    ACTOR_STAGES, REWARD_STAGES, Responses, check_lm_dir, free_memory, generate, load_lm, load_reward_model, response_logprobs,
-    reward_fn_scores, reward_model_scores, unpack,
+    ACTOR_STAGES, REWARD_STAGES, Responses, check_lm_dir, free_memory, generate, kl_sums, load_lm, load_reward_model,
+    reward_fn_scores, reward_model_scores, token_logprobs, unpack,
 )
-from rlhfkit.eval_prompts import PromptSet, display_prompt, given_prompt_rows, held_out_prompt_rows, take_prompts
+from rlhfkit.eval_prompts import PromptSet, display_prompt, given_prompt_rows, held_out_prompt_rows, take_prompts  # noqa: F401
 from rlhfkit.eval_render import (  # noqa: F401
     COLORS, EXAMPLE_CHARS, build_markdown, comparison_lines, headline_rows, headline_text, write_plots,
 )
+from rlhfkit.eval_results import build_results, finite, pick_examples  # noqa: F401
 from rlhfkit.eval_stats import (  # noqa: F401
     CI_LEVEL, CI_METHOD, TIE_TOL, kl_stats, mean_ci, outcome, t_cdf, t_quantile, win_stats,
 )
@@ -65,16 +71,16 @@ class EvalOptions:
     baseline: Optional[str] = None
     reward_model: Optional[str] = None
     reward_fn: Optional[str] = None
+    judges: list[str] = field(default_factory=list)  # --judge DIR, repeatable: more reward models, each reported on its own
     prompts: list[str] = field(default_factory=list)  # empty: the actor's held-out step-3 prompts
     n: int = 64  # at most this many prompts
     out: str = "eval"
-    seed: int = 1234  # prompt shuffle (--prompts) and sampling
+    seed: int = 1234  # prompt shuffle (--prompts), sampling and the bootstrap
+    n_samples_per_prompt: int = 4  # sampled responses per prompt and model (temperature 1)
+    greedy: bool = False  # one greedy response per prompt instead
     max_new_tokens: int = 128
     max_prompt_len: Optional[int] = None  # None: the actor's step-3 max_prompt_seq_len, else 512
-    greedy: bool = False  # greedy is the default anyway; the flag only forbids --temperature/--top_p
-    temperature: Optional[float] = None  # given (or top_p given): sample
-    top_p: Optional[float] = None
-    batch_size: int = 8
+    batch_size: int = 8  # sequences per generation / forward batch
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on CUDA) | fp32 | bf16
     device: str = "auto"  # auto | cpu | cuda
     examples: int = 4  # example pairs in report.md
@@ -82,41 +88,35 @@ class EvalOptions:
     allow_pickle_weights: bool = False
 
     @property
-    def do_sample(self) -> bool:
-        return self.temperature is not None or self.top_p is not None
-
-    @property
-    def sampling_temperature(self) -> float:
-        return self.temperature if self.temperature is not None else 1.0
+    def samples(self) -> int:
+        """Responses per prompt and model: greedy responses would all be the same, so one."""
+        return 1 if self.greedy else self.n_samples_per_prompt
 
     @property
     def decoding(self) -> str:
-        if not self.do_sample:
-            return "greedy"
-        return f"sampling (temperature {self.sampling_temperature}, top_p {self.top_p if self.top_p is not None else 1.0}, seed {self.seed})"
+        if self.greedy:
+            return "greedy, one response per prompt"
+        return (f"sampling at temperature 1, top_p 1, top_k 0 (the policy's own distribution), "
+                f"{self.n_samples_per_prompt} per prompt, seed {self.seed}")
 
     def validate(self) -> None:
         if not self.reward_model and not self.reward_fn:
             raise ConfigError("no reward: pass --reward_model DIR (a step-2 reward model) and/or --reward_fn NAME "
                               "(gsm8k or module.path:function); with both, the rewards are summed")
-        if self.greedy and self.do_sample:
-            raise ConfigError("--greedy contradicts --temperature/--top_p: pass one or the other (greedy is the default)")
-        if self.temperature is not None and self.temperature <= 0:
-            raise ConfigError(f"--temperature must be > 0, got {self.temperature}; leave it out for greedy decoding")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top_p must be in (0, 1], got {self.top_p}")
-        for name, least in (("n", 1), ("max_new_tokens", 1), ("batch_size", 1), ("examples", 0)):
+        for name, least in (("n", 1), ("n_samples_per_prompt", 1), ("max_new_tokens", 1), ("batch_size", 1), ("examples", 0)):
             if getattr(self, name) < least:
                 raise ConfigError(f"--{name} must be >= {least}, got {getattr(self, name)}")
         if self.max_prompt_len is not None and self.max_prompt_len < 1:
             raise ConfigError(f"--max_prompt_len must be >= 1, got {self.max_prompt_len}")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--dtype must be auto, fp32 or bf16, got {self.dtype}")
+        twice = sorted({j for j in self.judges if self.judges.count(j) > 1})
+        if twice:
+            raise ConfigError(f"--judge {twice[0]} is given twice; each judge once")
 
 
 def options_from_args(args: Any) -> EvalOptions:
     return EvalOptions(**{k: getattr(args, k) for k in EvalOptions.__dataclass_fields__})
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,21 +145,22 @@ def run_eval(opts: EvalOptions, echo: bool = True) -> Path:
     # 2. Prompts.
     prompts = load_prompts(opts, tokenizer, actor_manifest)
     say(f"prompts: {prompts.origin}\n  " + "\n  ".join(prompts.data + [prompts.tokenize]))
-    gen = GenerationConfig(max_new_tokens=opts.max_new_tokens, do_sample=opts.do_sample, temperature=opts.sampling_temperature,
-                           top_p=opts.top_p if opts.top_p is not None else 1.0, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id)
+    gen = GenerationConfig(max_new_tokens=opts.max_new_tokens, do_sample=not opts.greedy, temperature=1.0, top_p=1.0, top_k=0,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
-    # 3. Generate with each model, one model in memory at a time; log-probs of the actor's responses under both.
-    batches, logp = generate_all(opts, prompts, gen, tokenizer.pad_token_id, device, dtype, say)
+    # 3. Generate with each model, one model in memory at a time; the KL on the actor's responses.
+    batches, kl = generate_all(opts, prompts, gen, tokenizer.pad_token_id, device, dtype, say)
     responses = {name: unpack(b, tokenizer) for name, b in batches.items()}
 
-    # 4. Rewards: reward model and/or reward function, summed.
-    parts = score_all(opts, reward_fn, batches, responses, [ex.meta for ex in prompts.examples], tokenizer, device, dtype, say)
+    # 4. Rewards (reward model and/or reward function, summed), then each judge on its own.
+    rows = [ex.meta for ex in prompts.examples for _ in range(opts.samples)]
+    parts = score_all(opts, reward_fn, batches, responses, rows, tokenizer, device, dtype, say)
     rewards = {name: [math.fsum(vals) for vals in zip(*parts[name].values())] for name in parts}
+    judges = score_judges(opts, batches, tokenizer.pad_token_id, device, dtype, say)
 
     # 5. Numbers, files.
-    results = build_results(opts, prompts, responses, parts, rewards, logp, device, dtype)
-    (out / "results.json").write_text(json.dumps(_finite(results), indent=2, ensure_ascii=False, default=str) + "\n",
+    results = build_results(opts, prompts, responses, parts, rewards, kl, judges, device, dtype)
+    (out / "results.json").write_text(json.dumps(finite(results), indent=2, ensure_ascii=False, default=str) + "\n",
                                       encoding="utf-8")
     plots = write_plots(results, out)
     report = out / "report.md"
@@ -184,6 +185,7 @@ def check_checkpoints(opts: EvalOptions) -> tuple[dict, Any]:
         others.append((opts.baseline, check_lm_dir(opts.baseline, "--baseline")))
     if opts.reward_model:
         others.append((opts.reward_model, check_model_dir(opts.reward_model, REWARD_STAGES, "--reward_model")))
+    others += [(judge, check_model_dir(judge, REWARD_STAGES, "--judge")) for judge in opts.judges]
     for path, manifest in others:
         other_tok = None if manifest.get("tokenizer_sha256") else load_tokenizer(path, opts.trust_remote_code)
         check_same_tokenizer(opts.actor, actor_manifest, path, manifest, tokenizer, other_tok)
@@ -209,24 +211,25 @@ def load_prompts(opts: EvalOptions, tokenizer: Any, actor_manifest: dict) -> Pro
 
 
 def generate_all(opts: EvalOptions, prompts: PromptSet, gen: Any, pad_id: int, device: str, dtype: str,
-                 say: Callable) -> tuple[dict[str, list], dict[str, list[float]]]:
-    """Each model's RolloutBatches, loading one model at a time; with a baseline, the log-probs of the
-    actor's responses under both models (at the sampling temperature when sampling)."""
+                 say: Callable) -> tuple[dict[str, list], Optional[dict[str, list[float]]]]:
+    """Each model's RolloutBatches (``opts.samples`` responses per prompt, a prompt's samples in a row;
+    the same seed for both models), loading one model at a time; with a baseline, the KL sums of the
+    actor's responses (:func:`rlhfkit.eval_models.kl_sums`, log-probabilities at temperature 1), else None."""
     models = {"actor": opts.actor, **({"baseline": opts.baseline} if opts.baseline else {})}
-    temp = opts.sampling_temperature if opts.do_sample else 1.0
+    features = [f for f in prompts.features for _ in range(opts.samples)]
     batches: dict[str, list] = {}
-    logp: dict[str, list[float]] = {}
+    logp: dict[str, list] = {}
     for name, path in models.items():
-        say(f"{name}: generating {len(prompts.features)} responses on {device} ({dtype}, {opts.decoding}, "
-            f"up to {opts.max_new_tokens} tokens) ...")
+        say(f"{name}: generating {len(features)} responses to {len(prompts.features)} prompts on {device} ({dtype}, "
+            f"{opts.decoding}, up to {opts.max_new_tokens} tokens) ...")
         model = load_lm(path, dtype, device, pad_id, trust_remote_code=opts.trust_remote_code,
                         allow_pickle=opts.allow_pickle_weights)
-        batches[name] = generate(model, prompts.features, gen, opts.batch_size, pad_id, opts.seed)
+        batches[name] = generate(model, features, gen, opts.batch_size, pad_id, opts.seed)
         if opts.baseline:
-            logp[name] = response_logprobs(model, batches["actor"], device, temp)
+            logp[name] = token_logprobs(model, batches["actor"], device)
         del model
         free_memory(device)
-    return batches, logp
+    return batches, (kl_sums(logp["actor"], logp["baseline"], batches["actor"]) if opts.baseline else None)
 
 
 def score_all(opts: EvalOptions, reward_fn: Any, batches: dict[str, list], responses: dict[str, Responses], rows: list[dict],
@@ -246,6 +249,21 @@ def score_all(opts: EvalOptions, reward_fn: Any, batches: dict[str, list], respo
             parts[name]["reward_fn"] = reward_fn_scores(opts.reward_fn, reward_fn, batches[name], responses[name], rows, tokenizer,
                                                         opts.batch_size)
     return parts
+
+
+def score_judges(opts: EvalOptions, batches: dict[str, list], pad_id: int, device: str, dtype: str,
+                 say: Callable) -> dict[str, dict[str, list[float]]]:
+    """``{judge: {model: scores}}``: each ``--judge`` reward model on every response of every model, one judge
+    in memory at a time."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for judge in opts.judges:
+        say(f"scoring with the judge {judge} ...")
+        rm = load_reward_model(judge, dtype, device, pad_id, trust_remote_code=opts.trust_remote_code,
+                               allow_pickle=opts.allow_pickle_weights)
+        out[judge] = {name: reward_model_scores(rm, b, device) for name, b in batches.items()}
+        del rm
+        free_memory(device)
+    return out
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -268,94 +286,6 @@ def _quiet() -> None:
         transformers.utils.logging.disable_progress_bar()
     except Exception:  # noqa: BLE001 - cosmetic
         pass
-
-
-# ----------------------------------------------------------------------------------------------
-# results.json
-
-
-def build_results(opts: EvalOptions, prompts: PromptSet, responses: dict[str, Responses], parts: dict, rewards: dict,
-                  logp: dict, device: str, dtype: str) -> dict:
-    """results.json: the settings, the prompts' origin, per model the reward with its interval, length
-    and truncation rate; with a baseline, wins / ties / losses, the paired difference and the KL; the
-    example pairs and every per-prompt row."""
-    names = list(responses)
-    has_base = "baseline" in responses
-    rows = []
-    for i, ex in enumerate(prompts.examples):
-        row: dict[str, Any] = {"index": i, "source": ex.meta.get("source"), "row": ex.meta.get("row"), "prompt": display_prompt(ex)}
-        for name in names:
-            r = responses[name]
-            row[name] = {"response": r.texts[i], "tokens": r.tokens[i], "truncated": r.truncated[i], "reward": rewards[name][i],
-                         **{k: v[i] for k, v in parts[name].items()}}
-        if has_base:
-            same = responses["actor"].ids[i] == responses["baseline"].ids[i]
-            row["same_response"] = same
-            row["outcome"] = outcome(rewards["actor"][i], rewards["baseline"][i], same)
-            row["logprob_actor"] = logp["actor"][i]  # of the actor's response, summed over its tokens
-            row["logprob_baseline"] = logp["baseline"][i]
-            row["kl"] = logp["actor"][i] - logp["baseline"][i]
-        rows.append(row)
-
-    per_model = {}
-    for name in names:
-        r = responses[name]
-        n = len(r.tokens)
-        per_model[name] = {"path": os.path.abspath(getattr(opts, name)),
-                           "reward": mean_ci(rewards[name]),
-                           **{f"{k}_mean": math.fsum(v) / n for k, v in parts[name].items()},
-                           "response_tokens_mean": sum(r.tokens) / n, "truncated_rate": sum(r.truncated) / n}
-    results: dict[str, Any] = {
-        "config": {**{k: v for k, v in asdict(opts).items() if k not in ("out",)}, "decoding": opts.decoding,
-                   "device": device, "dtype": dtype},
-        "prompts": {"count": len(rows), "origin": prompts.origin, "data": prompts.data, "tokenize": prompts.tokenize},
-        "statistics": {"confidence_interval": CI_METHOD, "tie": f"identical responses, or |reward difference| <= {TIE_TOL}",
-                       "kl": "log p_actor - log p_baseline summed over the actor's response tokens (EOS included); "
-                             "per_sequence = mean over prompts, per_token = total / total response tokens"
-                             + ("; log-probs at the sampling temperature" if opts.do_sample else
-                                "; greedy responses: the log-ratio on them, not an unbiased KL estimate")},
-        "models": per_model,
-    }
-    if has_base:
-        diffs = [a - b for a, b in zip(rewards["actor"], rewards["baseline"])]
-        results["comparison"] = {**win_stats([r["outcome"] for r in rows]), "reward_difference": mean_ci(diffs)}
-        results["kl"] = kl_stats([r["kl"] for r in rows], responses["actor"].tokens)
-    results["examples"] = pick_examples(rows, opts.examples, has_base)
-    results["rows"] = rows
-    return results
-
-
-def pick_examples(rows: list[dict], k: int, has_base: bool) -> list[dict]:
-    """Up to ``k`` (index, why): the actor's largest win and largest loss, then prompts in order."""
-    chosen: list[dict] = []
-    if k and has_base:
-        wins = [r for r in rows if r["outcome"] == "win"]
-        losses = [r for r in rows if r["outcome"] == "loss"]
-        if wins:
-            chosen.append({"index": max(wins, key=_reward_gain)["index"], "why": "largest actor win"})
-        if losses and len(chosen) < k:
-            chosen.append({"index": min(losses, key=_reward_gain)["index"], "why": "largest actor loss"})
-    for r in rows:
-        if len(chosen) >= k:
-            break
-        if r["index"] not in {c["index"] for c in chosen}:
-            chosen.append({"index": r["index"], "why": "in prompt order"})
-    return chosen
-
-
-def _reward_gain(row: dict) -> float:
-    return row["actor"]["reward"] - row["baseline"]["reward"]
-
-
-def _finite(obj: Any) -> Any:
-    """NaN / inf -> None, so results.json is strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 __all__ = ["EvalOptions", "mean_ci", "outcome", "run_eval", "t_quantile", "win_stats", "kl_stats"]

@@ -5,7 +5,9 @@ or deeper) is one *stage*. Records are JSON objects ``{"program", "step", "time_
 a key's series keeps the last value logged for each step (a resumed run overrides the steps it
 repeats, and train and eval records of one step merge). Plots are drawn only for the series that
 exist; ``report.md`` holds a headline table (per stage: steps, first -> last of its key metrics),
-a per-stage table of every numeric series, and the plots.
+a per-stage table of every numeric series, and the plots. For step 3 these include the held-out
+evaluation (``eval/*``: reward with its band over prompts, KL to the reference), the learning curve on
+prompts the actor never trains on.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ HEADLINE = {
     "sft": ("train/loss", "eval/loss", "eval/perplexity"),
     "reward": ("train/loss", "eval/accuracy", "eval/margin"),
     "dpo": ("train/loss", "eval/accuracy", "eval/margin"),
-    "ppo": ("reward/score_mean", "kl/per_token", "gen/response_len"),
+    "ppo": ("reward/score_mean", "kl/per_token", "gen/response_len", "eval/reward", "eval/kl_per_token"),
 }
 DEFAULT_HEADLINE = ("train/loss", "eval/loss", "eval/accuracy")
 # Step 3 logs under its --algo name and every step-3 algorithm logs PPO's keys, so each name of the
@@ -49,7 +51,8 @@ def program_family(program: str) -> str:
 
 @dataclass(frozen=True)
 class PlotSpec:
-    """One PNG: ``keys`` drawn as lines on the left axis, ``right`` on a second axis; ``stack`` = stacked areas."""
+    """One PNG: ``keys`` drawn as lines on the left axis, ``right`` on a second axis; ``stack`` = stacked areas;
+    ``band`` = the standard-error series of ``keys[0]``, drawn as a shaded +- 1.96 standard errors (95%) band."""
 
     name: str
     title: str
@@ -58,6 +61,7 @@ class PlotSpec:
     right: tuple[str, ...] = ()
     right_label: str = ""
     stack: bool = False
+    band: str = ""
 
 
 PLOTS: dict[str, tuple[PlotSpec, ...]] = {
@@ -85,6 +89,11 @@ PLOTS: dict[str, tuple[PlotSpec, ...]] = {
         PlotSpec("response_len", "Response length", ("gen/response_len",), "tokens",
                  right=("gen/truncated_rate",), right_label="truncated rate"),
         PlotSpec("time", "Time per step", ("time/generation_s", "time/experience_s", "time/training_s"), "seconds", stack=True),
+        # the held-out evaluation (step 0: the step-1 model): the learning curve on prompts the actor never trains on
+        PlotSpec("eval_reward", "Held-out reward (95% band over prompts)", ("eval/reward",),
+                 "reward", band="eval/reward_se"),
+        PlotSpec("eval_kl", "Held-out KL to the reference (k3 on the actor's samples)", ("eval/kl_per_token",), "nats per token",
+                 right=("eval/kl_per_seq",), right_label="nats per sequence"),
     ),
 }
 
@@ -236,6 +245,8 @@ def plot_stage(stage: Stage, spec: PlotSpec, out_path: Path) -> bool:
             _draw_stack(ax, stage, spec, colors)
         else:
             handles = _draw_lines(ax, stage, spec.keys, colors)
+            if spec.band and spec.band in stage.series and spec.keys[0] in stage.series:
+                _draw_band(ax, stage, spec.keys[0], spec.band, colors[0])
             if any(k in stage.series for k in spec.right):
                 ax2 = ax.twinx()
                 handles += _draw_lines(ax2, stage, spec.right, colors[len(spec.keys):])
@@ -245,6 +256,16 @@ def plot_stage(stage: Stage, spec: PlotSpec, out_path: Path) -> bool:
         if handles is not None:
             ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="best", fontsize=8)
     return True
+
+
+def _draw_band(ax, stage: Stage, key: str, se_key: str, color: str) -> None:
+    """A shaded mean +- 1.96 standard errors around ``key``, at the steps that have both."""
+    se = dict(stage.series[se_key])
+    pts = [(s, v, se[s]) for s, v in stage.series[key] if s in se and math.isfinite(v) and math.isfinite(se[s])]
+    if pts:
+        steps, vals, errs = zip(*pts)
+        ax.fill_between(steps, [v - 1.96 * e for v, e in zip(vals, errs)], [v + 1.96 * e for v, e in zip(vals, errs)],
+                        color=color, alpha=0.2, linewidth=0)
 
 
 def _draw_stack(ax, stage: Stage, spec: PlotSpec, colors: list[str]) -> None:

@@ -37,6 +37,7 @@ FREE_FIELDS = {
     "resume", "resume_allow_config_change", "max_steps", "num_train_epochs", "eval_interval", "log_interval", "save_interval",
     "keep_last_k", "progress_bar", "enable_tensorboard", "tensorboard_path", "local_rank", "dist_timeout_s",
     "max_nonfinite_steps", "print_answers", "print_answers_interval", "output_dir", "max_eval_samples",
+    "eval_n_samples_per_prompt", "eval_greedy",
 }
 
 

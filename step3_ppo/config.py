@@ -38,7 +38,15 @@ class Step3Data:
     data_path: list[str] = arg([], "Prompt data: one or more files (blended); any supported format, prompts are used.")
     data_split: str = arg("2,4,4", "Shares of each source for steps 1,2,3; step 3 uses the third (e.g. 0,0,1 for prompt-only data).")
     eval_fraction: float = arg(0.05, "Fraction of the step-3 share held out to compare the actor with the step-1 model.")
-    max_eval_samples: Optional[int] = arg(16, "Cap on held-out prompts evaluated (None: all).")
+    max_eval_samples: Optional[int] = arg(64, "Cap on held-out prompts (None: all of --eval_fraction; the rest of it is trained "
+                                              "on). Enough prompts that the held-out reward's standard error can show a gain.")
+    eval_n_samples_per_prompt: int = arg(4, "Held-out evaluation: responses sampled per prompt at temperature 1, top_p 1, top_k 0 "
+                                            "(the policy's own distribution, whatever the rollout settings), so the reward averages "
+                                            "over what the policy does and the KL to the reference (k3 on the actor's own samples) "
+                                            "is an estimate. Seeded with --seed, with the training's random state set aside, so "
+                                            "training is the same whatever the evaluation does.")
+    eval_greedy: bool = arg(False, "Held-out evaluation: one greedy response per prompt instead of sampling (the KL is then only a "
+                                   "log-ratio on the greedy path, not an estimate).")
     max_prompt_seq_len: int = arg(256, "Prompts longer than this are left-truncated at a turn boundary, or dropped (counted).")
     max_answer_seq_len: int = arg(256, "Maximum response tokens; a response without EOS by then is 'truncated'.")
     strict: bool = arg(False, "Fail on the first malformed data row instead of skipping it.")
@@ -162,7 +170,7 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ConfigError(f"--rollout_backend {self.rollout_backend}: choose one of {', '.join(ROLLOUT_BACKENDS)}")
         for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches", "ppo_epochs",
-                     "max_prompt_seq_len", "max_answer_seq_len"):
+                     "max_prompt_seq_len", "max_answer_seq_len", "eval_n_samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1")
         if self.samples_per_rank % self.per_device_training_batch_size:

@@ -121,8 +121,9 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
     if progress.evals:
         b, a = progress.evals[0], progress.evals[-1]
         lines["held-out reward"] = (f"step-1 model {b['reward']:.4f} -> actor {a['reward']:.4f} "
-                                    f"({a['reward'] - b['reward']:+.4f}, {a['prompts']} prompts, greedy)")
-        lines["KL to step-1 model"] = f"{a['kl_per_seq']:.4f} per sequence"
+                                    f"({a['reward'] - b['reward']:+.4f}; {a['prompts']} prompts x "
+                                    f"{a['samples'] // max(a['prompts'], 1)} {'greedy' if cfg.eval_greedy else 'sampled'})")
+        lines["KL to step-1 model"] = f"{a['kl_per_token']:.4f} nats per token (k3), {a['kl_per_seq']:.3f} per sequence"
     out = os.path.abspath(cfg.output_dir)
     lines["metrics"] = os.path.join(out, "logs", "metrics.jsonl")
     lines["next"] = f"rlhfkit chat --model {paths['actor']}   |   rlhfkit report {os.path.dirname(out)}"

@@ -49,7 +49,7 @@ def _save(model, tokenizer, out, stage, config=None):
 
 @pytest.fixture(scope="module")
 def dirs(tiny_dir, tokenizer, data, tmp_path_factory):
-    """actor (stage 'actor', trained on `data` by the manifest), sft (a perturbed copy), reward (random score head)."""
+    """actor (stage 'actor', trained on `data` by the manifest), sft (a perturbed copy), reward and judge (random score heads)."""
     from rlhfkit.models import load_model
 
     root = tmp_path_factory.mktemp("evalmodels")
@@ -62,10 +62,11 @@ def dirs(tiny_dir, tokenizer, data, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.05)
         config = {**STEP3, "data_path": [str(data)]} if name == "actor" else {}
         out[name] = _save(model, tokenizer, root / name, name, config)
-    torch.manual_seed(3)
-    rm = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
-    rm.score.weight.data.normal_(0, 1.0)
-    out["reward"] = _save(rm, tokenizer, root / "reward", "reward")
+    for name, seed in (("reward", 3), ("judge", 4)):
+        torch.manual_seed(seed)
+        rm = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
+        rm.score.weight.data.normal_(0, 1.0)
+        out[name] = _save(rm, tokenizer, root / name, "reward")
     return out
 
 
@@ -78,47 +79,72 @@ def close(a, b, tol=1e-9):
     return abs(a - b) <= tol * max(1.0, abs(a), abs(b))
 
 
+def per_prompt(values, n_samples):
+    """Each prompt's mean over its samples (a prompt's samples are consecutive rows)."""
+    return [statistics.fmean(values[i:i + n_samples]) for i in range(0, len(values), n_samples)]
+
+
+def t_interval(values):
+    """(mean, std, half width) of the 95% Student t interval, from the table of T975."""
+    n, mean, sd = len(values), statistics.fmean(values), statistics.stdev(values)
+    return mean, sd, T975[n - 1] * sd / math.sqrt(n)
+
+
 def check_numbers(out_dir, names=("actor", "baseline")):
     """Recompute every headline number from results.json's rows; check report.md shows them."""
     res = json.loads((out_dir / "results.json").read_text())
     rows, md = res["rows"], (out_dir / "report.md").read_text()
-    n = len(rows)
-    assert res["prompts"]["count"] == n and [r["index"] for r in rows] == list(range(n))
+    n, n_samples = res["prompts"]["count"], res["prompts"]["samples_per_prompt"]
+    assert len(rows) == res["prompts"]["responses"] == n * n_samples and [r["index"] for r in rows] == list(range(n * n_samples))
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [(k // n_samples, k % n_samples) for k in range(len(rows))]
     for name in names:
         m, rewards = res["models"][name], [r[name]["reward"] for r in rows]
         for r in rows:  # the total is the sum of the components that exist
             comps = [r[name][k] for k in ("reward_model", "reward_fn") if k in r[name]]
             assert comps and close(r[name]["reward"], sum(comps))
-        mean, sd = statistics.fmean(rewards), statistics.stdev(rewards)
-        half = T975[n - 1] * sd / math.sqrt(n)
+        mean, sd, half = t_interval(per_prompt(rewards, n_samples))  # the interval is over prompts, not samples
         assert close(m["reward"]["mean"], mean) and close(m["reward"]["std"], sd) and close(m["reward"]["ci_half_width"], half, 1e-7)
-        assert close(m["reward"]["ci_low"], mean - half, 1e-7) and close(m["reward"]["ci_high"], mean + half, 1e-7)
+        assert m["reward"]["n"] == n and close(m["reward"]["ci_low"], mean - half, 1e-7) and close(m["reward"]["ci_high"], mean + half, 1e-7)
         assert close(m["response_tokens_mean"], statistics.fmean(r[name]["tokens"] for r in rows))
-        assert close(m["truncated_rate"], sum(r[name]["truncated"] for r in rows) / n)
+        assert close(m["truncated_rate"], sum(r[name]["truncated"] for r in rows) / len(rows))
         assert all(1 <= r[name]["tokens"] <= TOKENS for r in rows)
         assert all(r[name]["tokens"] == TOKENS for r in rows if r[name]["truncated"])
         assert f"| {name} | {fmt(mean)} ± {fmt(half)} [{fmt(mean - half)}, {fmt(mean + half)}] | " in md
     if "baseline" in names:
-        c, kl = res["comparison"], res["kl"]
-        outcomes = []
+        check_comparison(res["comparison"], rows, lambda r, name: r[name]["reward"], [r["outcome"] for r in rows], n_samples)
+        c, M = res["comparison"], len(rows)
+        assert f"| reward | {c['wins']} | {c['ties']} | {c['losses']} | {fmt((c['wins'] + c['ties'] / 2) / M)} [" in md
+        kl = res["kl"]
         for r in rows:
-            a, b = r["actor"]["reward"], r["baseline"]["reward"]
-            if r["same_response"]:
-                assert r["actor"]["response"] == r["baseline"]["response"] and r["actor"]["tokens"] == r["baseline"]["tokens"]
-            outcomes.append("tie" if r["same_response"] or abs(a - b) <= 1e-6 else "win" if a > b else "loss")
-            assert close(r["kl"], r["logprob_actor"] - r["logprob_baseline"])
-        assert [r["outcome"] for r in rows] == outcomes
-        w, t, lo = (outcomes.count(k) for k in ("win", "tie", "loss"))
-        assert (c["wins"], c["ties"], c["losses"]) == (w, t, lo) and w + t + lo == n
-        assert close(c["win_rate"], w / n) and close(c["win_rate_ties_half"], (w + t / 2) / n)
-        assert f"| {w} | {t} | {lo} | {fmt(w / n)} | {fmt((w + t / 2) / n)} |" in md
-        kl_sum, toks = math.fsum(r["kl"] for r in rows), sum(r["actor"]["tokens"] for r in rows)
-        assert kl["tokens"] == toks and close(kl["per_token"], kl_sum / toks) and close(kl["per_sequence"], kl_sum / n)
-        assert f"per token: {fmt(kl_sum / toks)}" in md and f"per sequence: {fmt(kl_sum / n)}" in md
-        diffs = [r["actor"]["reward"] - r["baseline"]["reward"] for r in rows]
-        assert close(c["reward_difference"]["mean"], statistics.fmean(diffs))
+            assert close(r["kl_k1"], r["logprob_actor"] - r["logprob_baseline"]) and r["kl_k3"] >= 0
+        toks = sum(r["actor"]["tokens"] for r in rows)
+        k1, k3 = math.fsum(r["kl_k1"] for r in rows), math.fsum(r["kl_k3"] for r in rows)
+        assert kl["estimator"] == "k3" and kl["tokens"] == toks and close(kl["per_token"], k3 / toks) and close(kl["per_sequence"], k3 / M)
+        assert close(kl["k1"]["per_token"], k1 / toks) and close(kl["k1"]["per_sequence"], k1 / M)
+        assert close(kl["per_sequence_ci"]["mean"], k3 / M) and kl["per_sequence_ci"]["n"] == n
+        assert f"per token (k3): {fmt(k3 / toks)}" in md and f"per sequence (k3): {fmt(k3 / M)}" in md
     assert "## Examples" in md and "Student t" in md
     return res
+
+
+def check_comparison(c, rows, score, outcomes, n_samples):
+    """One scorer's actor-vs-baseline numbers, recomputed from the rows: outcomes pair by pair, the counts,
+    the win rate (ties as half) inside its bootstrap interval's range, the paired difference over prompts."""
+    expected = []
+    for r in rows:
+        a, b = score(r, "actor"), score(r, "baseline")
+        if r["same_response"]:
+            assert r["actor"]["response"] == r["baseline"]["response"] and r["actor"]["tokens"] == r["baseline"]["tokens"]
+        expected.append("tie" if r["same_response"] or abs(a - b) <= 1e-6 else "win" if a > b else "loss")
+    assert outcomes == expected
+    w, t, lo = (expected.count(k) for k in ("win", "tie", "loss"))
+    assert (c["wins"], c["ties"], c["losses"]) == (w, t, lo) and w + t + lo == len(rows)
+    assert close(c["win_rate"], w / len(rows)) and close(c["win_rate_ties_half"], (w + t / 2) / len(rows))
+    for key in ("win_rate_ties_half_ci", "lc_win_rate_ci"):
+        assert 0 <= c[key][0] <= c[key][1] <= 1
+    assert 0 <= c["lc_win_rate"] <= 1
+    diffs = per_prompt([score(r, "actor") - score(r, "baseline") for r in rows], n_samples)
+    assert close(c["reward_difference"]["mean"], statistics.fmean(diffs)) and c["reward_difference"]["n"] == len(diffs)
 
 
 def check_png(path):
@@ -161,6 +187,109 @@ def test_outcomes_win_rates_and_kl_by_hand():
     assert kl_stats([], []) == {"per_sequence": None, "per_token": None, "tokens": 0}
 
 
+def test_length_controlled_win_rate_by_hand():
+    from rlhfkit.eval_stats import lc_win_rate
+
+    # every length difference 0: the slope stays 0 and sigmoid(a) is the plain win rate, ties as half: (1 + 0.5 + 0 + 1) / 4
+    assert abs(lc_win_rate([1, 0.5, 0, 1], [0, 0, 0, 0]) - (1 + 0.5 + 0 + 1) / 4) < 1e-12
+    # two length differences, -5 and +5 tokens: the model is saturated, sigmoid(a - b) = 1/2 (1 win of 2 pairs) and
+    # sigmoid(a + b) = 3/4 (3 of 4), so a = (logit 1/2 + logit 3/4) / 2 = ln(3) / 2 and sigmoid(a) = sqrt(3) / (sqrt(3) + 1)
+    # = 0.634, below the plain 4/6 = 0.667: the actor wins more where it is longer
+    wins, diffs = [1, 0, 1, 1, 1, 0], [-5, -5, 5, 5, 5, 5]
+    assert abs(lc_win_rate(wins, diffs) - math.sqrt(3) / (math.sqrt(3) + 1)) < 1e-6
+    assert abs(lc_win_rate(wins, [d * 7 for d in diffs]) - lc_win_rate(wins, diffs)) < 1e-9  # tokens or any unit
+    # weights act as repeated pairs: weight 2 on the first pair = that pair twice
+    assert abs(lc_win_rate(wins, diffs, [[2, 1, 1, 1, 1, 1]], scale=5.0)[0] - lc_win_rate([1] + wins, [-5] + diffs, scale=5.0)) < 1e-9
+
+
+def test_bootstrap_pieces_by_hand():
+    import numpy as np
+
+    from rlhfkit.eval_stats import group_means, percentile_interval, resample_weights, win_rate_intervals
+
+    assert group_means([1.0, 3.0, 10.0, 20.0, 5.0], [0, 0, 1, 1, 2]) == [2.0, 15.0, 5.0]
+    # resample 1 draws prompt 0 twice, resample 2 prompts 1 and 2: each item weighs its prompt's count
+    assert resample_weights(np.array([[0, 0, 2], [1, 2, 2]]), [0, 0, 1, 2]).tolist() == [[2, 2, 0, 1], [0, 0, 1, 2]]
+    # 5 values sorted 0, 1, 2, 3, 4: quantile q sits at position (5 - 1) q, so 0.025 -> 0.1 and 0.975 -> 3.9
+    assert percentile_interval([4.0, 0.0, 3.0, 1.0, 2.0]) == pytest.approx([0.1, 3.9], abs=1e-12)
+    # one prompt: every resample is that prompt, so the interval is the point: (1 + 0.5 + 0) / 3
+    one = win_rate_intervals(["win", "tie", "loss"], [7, 7, 7], [0, 0, 0], n_resamples=50)
+    assert one["win_rate_ties_half_ci"] == [0.5, 0.5] and abs(one["lc_win_rate"] - 0.5) < 1e-12
+
+
+def test_bootstrap_matches_a_naive_loop():
+    """The vectorised bootstrap (weights per resample) against the literal procedure: for each resample draw the
+    prompts, take all their pairs, compute the win rate and refit the length-controlled one."""
+    import numpy as np
+
+    from rlhfkit.eval_stats import lc_win_rate, resample_indices, win_rate_intervals
+
+    rng = random.Random(0)
+    groups = [g for g in range(9) for _ in range(rng.randint(1, 4))]  # prompts with 1 to 4 samples
+    outcomes = [rng.choice(["win", "win", "tie", "loss"]) for _ in groups]
+    diffs = [rng.randint(-6, 6) for _ in groups]
+    got = win_rate_intervals(outcomes, groups, diffs, n_resamples=300, seed=11)
+    value = {"win": 1.0, "tie": 0.5, "loss": 0.0}
+    scale = math.sqrt(sum(d * d for d in diffs) / len(diffs))
+    wins, lcs = [], []
+    for draw in resample_indices(9, 300, seed=11):
+        items = [k for g in draw for k, gk in enumerate(groups) if gk == g]
+        wins.append(sum(value[outcomes[k]] for k in items) / len(items))
+        lcs.append(lc_win_rate([value[outcomes[k]] for k in items], [diffs[k] for k in items], scale=scale))
+
+    def interval(stats):  # linear interpolation between order statistics, by hand
+        s = sorted(stats)
+        out = []
+        for q in (0.025, 0.975):
+            h = (len(s) - 1) * q
+            out.append(s[int(h)] + (h - int(h)) * (s[int(h) + 1] - s[int(h)]))
+        return out
+
+    assert np.allclose(got["win_rate_ties_half_ci"], interval(wins), atol=1e-12)
+    assert np.allclose(got["lc_win_rate_ci"], interval(lcs), atol=1e-7)
+    assert got["win_rate_ties_half_ci"][0] < got["win_rate_ties_half_ci"][1]
+
+
+def test_kl_sums_by_hand():
+    from types import SimpleNamespace
+
+    from rlhfkit.eval_models import kl_sums
+
+    # actor log-probs ln 1/2, ln 1/2 and baseline ln 1/4, ln 1/8 on two response tokens; the third is past EOS (masked)
+    actor = torch.log(torch.tensor([[0.5, 0.5, 0.9]], dtype=torch.float64))
+    base = torch.log(torch.tensor([[0.25, 0.125, 0.1]], dtype=torch.float64))
+    rb = SimpleNamespace(action_mask=torch.tensor([[1, 1, 0]]))
+    out = kl_sums([actor * rb.action_mask], [base * rb.action_mask], [rb])
+    # d = ln(p_base / p_actor) = ln 1/2, ln 1/4; k3 = e^d - d - 1 = (1/2 + ln 2 - 1) + (1/4 + ln 4 - 1); k1 = -d summed = 3 ln 2
+    ln2 = math.log(2)
+    assert abs(out["k3"][0] - ((0.5 + ln2 - 1) + (0.25 + 2 * ln2 - 1))) < 1e-12
+    assert abs(out["k1"][0] - 3 * ln2) < 1e-12
+    assert abs(out["logprob_actor"][0] - 2 * math.log(0.5)) < 1e-12 and abs(out["logprob_baseline"][0] - math.log(1 / 32)) < 1e-12
+
+
+def test_eval_judges_score_both_models(dirs, data, tmp_path, capsys):
+    """--judge: each judge scores every response of both models and gets its own numbers; the training reward
+    model given again as a judge reproduces the reward's comparison exactly."""
+    out = tmp_path / "eval"
+    stdout = run(capsys, "--actor", dirs["actor"], "--baseline", dirs["sft"], "--reward_model", dirs["reward"], "--judge",
+                 dirs["reward"], "--judge", dirs["judge"], "--prompts", data, "--n", 4, "--n_samples_per_prompt", 3, "--out", out)
+    res = check_numbers(out)
+    rows, md = res["rows"], (out / "report.md").read_text()
+    same, other = res["judges"][str(dirs["reward"])], res["judges"][str(dirs["judge"])]
+    assert all(r[m]["judges"][str(dirs["reward"])] == r[m]["reward_model"] for r in rows for m in ("actor", "baseline"))
+    assert same["comparison"] == res["comparison"]
+    for judge, j in ((str(dirs["reward"]), same), (str(dirs["judge"]), other)):
+        def score(r, m):
+            return r[m]["judges"][judge]
+
+        check_comparison(j["comparison"], rows, score, [r["judge_outcomes"][judge] for r in rows], 3)
+        for m in ("actor", "baseline"):
+            mean, _, half = t_interval(per_prompt([score(r, m) for r in rows], 3))
+            assert close(j["models"][m]["mean"], mean) and close(j["models"][m]["ci_half_width"], half, 1e-7)
+        assert f"| judge {judge} | " in md and f"by the judge {judge}" in stdout
+    assert any(r["actor"]["judges"][str(dirs["judge"])] != r["actor"]["reward"] for r in rows)  # another scorer
+
+
 def test_eval_held_out_prompts_reward_model_plus_gsm8k(dirs, data, tmp_path, capsys, tokenizer):
     out = tmp_path / "eval"
     stdout = run(capsys, "--actor", dirs["actor"], "--baseline", dirs["sft"], "--reward_model", dirs["reward"],
@@ -170,7 +299,8 @@ def test_eval_held_out_prompts_reward_model_plus_gsm8k(dirs, data, tmp_path, cap
     from rlhfkit.data import load_phase_data
 
     _, held, _ = load_phase_data([str(data)], phase=3, need="prompts", data_split="0,0,1", seed=7, eval_fraction=0.5, max_eval=5)
-    assert [r["row"] for r in res["rows"]] == [ex.meta["row"] for ex in held] and len(held) == 5
+    assert [r["row"] for r in res["rows"] if r["sample"] == 0] == [ex.meta["row"] for ex in held] and len(held) == 5
+    assert res["prompts"]["samples_per_prompt"] == 4 and len(res["rows"]) == 20  # sampled, 4 per prompt by default
     for r in res["rows"]:  # the gsm8k component is the rule on the decoded response and the row's answer
         gold = {"answer": MATH[r["row"]]["answer"]}
         for name in ("actor", "baseline"):
@@ -196,25 +326,30 @@ def test_eval_custom_reward_prompts_file(dirs, data, tmp_path, capsys):
 
     rows, _, _ = load_phase_data([str(data)], phase=3, need="prompts", data_split="0,0,1", seed=5, eval_fraction=0.0)
     random.Random(5).shuffle(rows)
-    assert [r["row"] for r in res["rows"]] == [ex.meta["row"] for ex in rows[:8]]
+    assert [r["row"] for r in res["rows"] if r["sample"] == 0] == [ex.meta["row"] for ex in rows[:8]]
 
 
 def test_eval_same_model_is_kl_zero_all_ties_and_sampling_is_seeded(dirs, data, tmp_path, capsys):
     args = ["--actor", dirs["actor"], "--baseline", dirs["actor"], "--reward_model", dirs["reward"], "--reward_fn",
-            "test_eval:length_reward", "--prompts", data, "--n", 5, "--temperature", "1.0"]
+            "test_eval:length_reward", "--prompts", data, "--n", 5, "--n_samples_per_prompt", 3]
     run(capsys, *args, "--out", tmp_path / "a")
     res = check_numbers(tmp_path / "a")
-    assert res["kl"]["per_token"] == 0.0 and res["kl"]["per_sequence"] == 0.0
-    c = res["comparison"]
-    assert (c["wins"], c["ties"], c["losses"]) == (0, 5, 0) and all(r["same_response"] for r in res["rows"])
-    assert "sampling" in res["config"]["decoding"]
+    assert res["kl"]["per_token"] == 0.0 and res["kl"]["per_sequence"] == 0.0 and res["kl"]["k1"]["per_token"] == 0.0
+    c = res["comparison"]  # all 15 pairs tie: half a win each, in every bootstrap resample and at every length
+    assert (c["wins"], c["ties"], c["losses"]) == (0, 15, 0) and all(r["same_response"] for r in res["rows"])
+    assert c["win_rate_ties_half"] == 0.5 and c["win_rate_ties_half_ci"] == [0.5, 0.5] and c["lc_win_rate"] == 0.5
+    assert "sampling at temperature 1" in res["config"]["decoding"]
+    # sampled, not greedy: some prompt's 3 samples differ
+    assert any(len({r["actor"]["response"] for r in res["rows"][i:i + 3]}) > 1 for i in range(0, 15, 3))
     run(capsys, *args, "--out", tmp_path / "b")
     assert (tmp_path / "a" / "results.json").read_bytes() == (tmp_path / "b" / "results.json").read_bytes()
 
 
-def test_eval_actor_only(dirs, data, tmp_path, capsys):
-    stdout = run(capsys, "--actor", dirs["actor"], "--reward_model", dirs["reward"], "--prompts", data, "--n", 4, "--out", tmp_path)
+def test_eval_actor_only_greedy(dirs, data, tmp_path, capsys):
+    stdout = run(capsys, "--actor", dirs["actor"], "--reward_model", dirs["reward"], "--prompts", data, "--n", 4, "--greedy",
+                 "--out", tmp_path)
     res = check_numbers(tmp_path, names=("actor",))
+    assert res["prompts"]["samples_per_prompt"] == 1 and len(res["rows"]) == 4 and res["config"]["decoding"].startswith("greedy")
     assert "comparison" not in res and "kl" not in res and not (tmp_path / "reward_pairs.png").exists()
     check_png(tmp_path / "reward_hist.png")
     assert "win rate" not in stdout and "| actor |" in (tmp_path / "report.md").read_text()
@@ -232,7 +367,9 @@ def test_eval_errors(dirs, data, tmp_path, capsys):
     assert "--reward_model" in err(CheckpointError, reward_model=str(dirs["sft"]))
     assert "--baseline" in err(CheckpointError, baseline=str(dirs["reward"]))
     assert "no reward" in err(ConfigError, reward_model=None)
-    assert "--greedy" in err(ConfigError, greedy=True, temperature=0.7)
+    assert "--n_samples_per_prompt must be >= 1" in err(ConfigError, n_samples_per_prompt=0)
+    assert "--judge" in err(CheckpointError, judges=[str(dirs["sft"])]) and "'sft'" in err(CheckpointError, judges=[str(dirs["sft"])])
+    assert "given twice" in err(ConfigError, judges=[str(dirs["reward"])] * 2)
     assert "pass --prompts" in err(ConfigError, actor=str(dirs["sft"]), prompts=[])
     assert "module.path:function" in err(ConfigError, reward_fn="nonsense")
     # a reward model trained with another tokenizer
@@ -250,6 +387,9 @@ def test_eval_errors(dirs, data, tmp_path, capsys):
     assert e.value.code == 2
     msg = capsys.readouterr().err
     assert msg.startswith("error: no reward") and "Traceback" not in msg
+    with pytest.raises(SystemExit) as e:  # a removed flag: one line saying what to do instead
+        main(["eval", "--actor", str(dirs["actor"]), "--reward_fn", "gsm8k", "--temperature", "0.7", "--out", str(tmp_path / "t")])
+    assert e.value.code == 2 and "removed; evaluation samples at temperature 1" in capsys.readouterr().err
     assert issubclass(CheckpointError, RlhfkitError)
 
 

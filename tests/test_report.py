@@ -93,6 +93,26 @@ def test_report_writes_every_plot_and_the_headline_table(run_dir, tmp_path, caps
     assert "| value/loss | 6 | 1 | 0.1667 | 0.1667 | 1 |" in md  # per-stage detail table
 
 
+def test_step3_held_out_learning_curve(tmp_path):
+    """Step 3's held-out evaluation (eval/*, logged at step 0 and every --eval_interval) gets its own plots, the
+    reward with a shaded 95% band (+- 1.96 standard errors over prompts), and its first -> last in the headline."""
+    run = tmp_path / "run"
+    train = [rec("grpo", s, reward__score_mean=0.1 * s, kl__per_token=0.01 * s) for s in range(1, 7)]
+    evals = [rec("grpo", s, eval__reward=-1.0 + 0.25 * s, eval__reward_se=0.5, eval__kl_per_token=0.02 * s,
+                 eval__kl_per_seq=0.5 * s) for s in (0, 3, 6)]  # -1 -> 0.5; KL 0 -> 0.12
+    write_log(run / "step3", train + evals)
+    report = write_report(run, tmp_path / "rep", echo=False)
+    md = report.read_text()
+    assert sorted(p.name for p in report.parent.glob("*.png")) == ["step3_eval_kl.png", "step3_eval_reward.png", "step3_kl.png",
+                                                                    "step3_reward.png"]
+    assert "](step3_eval_reward.png)" in md and "](step3_eval_kl.png)" in md
+    assert "eval/reward -1 → 0.5; eval/kl_per_token 0 → 0.12" in headline_rows(md)["step3"]
+    # the band: matplotlib's first colour (31, 119, 180) at alpha 0.2 over white, (210, 228, 240), fills a large area
+    with Image.open(report.parent / "step3_eval_reward.png") as im:
+        band = sum(k for k, c in im.convert("RGB").getcolors(maxcolors=1 << 20) if all(abs(a - b) <= 3 for a, b in zip(c, (210, 228, 240))))
+    assert band > 5000, band
+
+
 def test_only_existing_series_are_plotted_and_default_out(tmp_path):
     run = tmp_path / "sft_only"
     write_log(run, [rec("sft", s, train__loss=1.0 / s) for s in range(1, 4)])  # the program's own output dir

@@ -82,6 +82,32 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     assert "held-out reward" in proc.stdout
 
 
+def test_held_out_eval_samples_and_leaves_training_as_it_was(tiny_dir, reward_dir, data, tmp_path):
+    """The held-out evaluation samples 4 responses per prompt at temperature 1 and estimates the KL to the
+    reference (k3, never negative): 0 at step 0, where the actor is the reference, and > 0 once it trained.
+    Its sampling runs in a random state of its own, so the trained actor is bit for bit the one a run
+    with greedy evaluation (which draws nothing) trains."""
+    runs = {}
+    for name, extra in (("sampled", []), ("greedy", ["--eval_greedy"])):
+        out = tmp_path / name
+        run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--temperature", "1.5", *extra),
+                    nprocs=0)
+        runs[name] = [r for r in read_metrics(out) if "eval/reward" in r]
+    sampled, greedy = runs["sampled"], runs["greedy"]
+    assert [r["step"] for r in sampled] == [0, 1] and sampled[0]["eval/prompts"] == 2
+    assert sampled[0]["eval/samples"] == 8 and greedy[0]["eval/samples"] == 2
+    keys = ("eval/reward", "eval/reward_se", "eval/kl_per_token", "eval/kl_per_seq", "eval/kl_k1_per_token", "eval/kl_k1_per_seq")
+    for row in sampled + greedy:
+        assert_finite(row, keys)
+        assert row["eval/kl_per_token"] >= 0 and row["eval/kl_per_seq"] >= 0
+    assert sampled[0]["eval/kl_per_token"] == 0.0 and sampled[0]["eval/kl_k1_per_seq"] == 0.0  # the actor is the reference
+    assert sampled[1]["eval/kl_per_token"] > 0
+    a = load_file(tmp_path / "sampled" / "actor" / "model.safetensors")
+    b = load_file(tmp_path / "greedy" / "actor" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert weights_changed(tiny_dir, tmp_path / "sampled" / "actor")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("algo", ["grpo", "dapo", "rloo", "reinforce_pp"])
 def test_critic_free_algorithms(tiny_dir, reward_dir, data, tmp_path, algo):
@@ -185,7 +211,8 @@ def test_dynamic_sampling_fills_the_batch_then_gives_up_after_max_rounds(tiny_di
             "--reward_fn", "controlled_reward:reward", "--data_path", str(data / "math.jsonl"), "--output_dir", str(out),
             "--data_split", "0,0,1", "--eval_fraction", "0.2", "--max_eval_samples", "2", "--max_prompt_seq_len", "48",
             "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "1", "--n_samples_per_prompt", "2",
-            "--per_device_training_batch_size", "2", "--max_steps", "2", "--dtype", "fp32", "--progress_bar", "false"]
+            "--per_device_training_batch_size", "2", "--max_steps", "2", "--dtype", "fp32", "--progress_bar", "false",
+            "--eval_n_samples_per_prompt", "1"]  # the reward module tells evaluation batches by their distinct prompts
     from testutils import REPO
 
     run_program("step3_ppo/main.py", args, nprocs=0,

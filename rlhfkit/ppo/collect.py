@@ -58,8 +58,11 @@ class ExperienceMaker:
         self.train_gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, temperature=cfg.temperature, top_p=cfg.top_p,
                                           top_k=cfg.top_k, min_new_tokens=cfg.min_new_tokens, do_sample=not cfg.greedy_rollouts,
                                           eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad)
-        self.eval_gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, do_sample=False,
-                                         eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad)
+        # The held-out evaluation samples the policy's own distribution (temperature 1, no top-p / top-k), whatever the
+        # rollout settings, so its KL to the reference is an estimate; or one greedy response (--eval_greedy).
+        self.eval_gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, do_sample=not cfg.eval_greedy, temperature=1.0,
+                                         top_p=1.0, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad)
+        self.eval_samples = 1 if cfg.eval_greedy else cfg.eval_n_samples_per_prompt  # responses per held-out prompt
 
     def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list]) -> torch.Tensor:
         """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward function,
@@ -91,10 +94,12 @@ class ExperienceMaker:
     @torch.no_grad()
     def make(self, prompt_batch: dict, source_rows: Sequence[Any], parts: dict[str, list], *,
              training: bool) -> tuple[Experience, float, float]:
-        """Generate for this rank's prompts (training: each G times, sampled; else once, greedy) and run
-        the experience forward passes. Returns (experience without advantages, experience s, generation s)."""
+        """Generate for this rank's prompts (training: each G times with the rollout settings; else the
+        evaluation's ``eval_samples`` times with ``eval_gen``) and run the experience forward passes, the
+        log-probabilities at the sampling temperature. Returns (experience without advantages, experience s,
+        generation s). The samples of a prompt are consecutive rows."""
         cfg, models = self.cfg, self.models
-        repeat = cfg.n_samples_per_prompt if training else 1
+        repeat = cfg.n_samples_per_prompt if training else self.eval_samples
         gen = self.train_gen if training else self.eval_gen
         groups = cfg.packed_group_size if training else 1
         ids = prompt_batch["input_ids"].to(self.device).repeat_interleave(repeat, 0)
@@ -108,7 +113,7 @@ class ExperienceMaker:
             batch = models.rollout.generate(PromptBatch(ids, mask), gen)
             t_gen = time.time() - t0
             P, seqs, attn = batch.prompt_ids.shape[1], batch.sequences, batch.attention_mask
-            temperature = cfg.temperature if gen.do_sample else 1.0
+            temperature = gen.temperature if gen.do_sample else 1.0  # training: cfg.temperature; evaluation: 1
             old_lp = None
             if not (cfg.old_logprobs_from_training and training):  # evaluation needs them for its KL
                 old_lp, _ = models.no_grad_forward("actor", actor_forward, seqs, attn, P, temperature, False, groups)

@@ -1,30 +1,51 @@
 """Step 3's held-out evaluation, and the metrics of a training step.
 
-The held-out prompts are answered greedily by the current actor and scored like training samples.
-Before the first update the actor IS the step-1 model, so the evaluation at step 0 is the baseline.
+The held-out prompts are answered by the current actor with the evaluation settings (by default
+``--eval_n_samples_per_prompt`` 4 responses each, sampled at temperature 1 from the policy's own
+distribution; ``--eval_greedy``: one greedy response) and scored like training samples. Before the first
+update the actor IS the step-1 model, so the evaluation at step 0 is the baseline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Sequence
+import math
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import masked_mean, masked_sum
+from rlhfkit.algos import kl_estimate, masked_mean, masked_sum
 from rlhfkit.data import collate_prompts
+from rlhfkit.errors import ConfigError
+from rlhfkit.experience import Experience
 from rlhfkit.ppo.collect import Collected, ExperienceMaker, part_means
 from rlhfkit.loaders import eval_batches
 from rlhfkit.program import peak_rss_gb
 
+# The weighted sums one evaluation batch adds (a padding prompt weighs 0), reduced over ranks into the metrics.
+SUMS = ("reward", "prompt_reward", "prompt_reward_sq", "prompts", "samples", "kl_k3", "kl_k1", "tokens", "truncated")
+
 
 class HeldOutEval:
-    """``evaluate()`` -> mean reward, KL to the reference (per sequence), response length, truncation
-    rate and reward components of greedy responses to the held-out prompts, over all ranks."""
+    """``evaluate()`` -> the held-out metrics of the current actor, over all ranks (see :func:`eval_metrics`).
+
+    Sampling is seeded with ``--seed`` + rank, the same at every evaluation (successive evaluations differ
+    by the policy, not by the draw), inside a forked random state: the training's random stream is
+    exactly what it would be without evaluation. A batch holds about as many sequences as a training
+    generation batch (prompts x G), so evaluating needs no more memory than a rollout.
+    """
 
     def __init__(self, maker: ExperienceMaker, features: Sequence[dict], rows: Sequence[Any], batch_size: int):
-        self.maker, self.features, self.rows, self.batch_size = maker, features, rows, batch_size
+        cfg = maker.cfg
+        if cfg.eval_n_samples_per_prompt < 1:
+            raise ConfigError(f"--eval_n_samples_per_prompt must be >= 1, got {cfg.eval_n_samples_per_prompt}")
+        self.maker, self.features, self.rows = maker, features, rows
+        self.samples = maker.eval_samples
+        per_rank = max(1, math.ceil(len(features) / dist.world_size()))
+        self.batch_size = min(per_rank, max(1, batch_size * cfg.n_samples_per_prompt // self.samples))  # prompts per batch
+        self.seed = cfg.seed + dist.rank()
 
     def __len__(self) -> int:
         return len(self.features)
@@ -32,23 +53,63 @@ class HeldOutEval:
     @torch.no_grad()
     def __call__(self) -> dict[str, float]:
         self.maker.models.actor.eval()
-        dev = self.maker.device
-        sums = torch.zeros(5, dtype=torch.float64)
+        sums = torch.zeros(len(SUMS), dtype=torch.float64)
         parts: dict[str, list] = {}
-        part_weights = []
+        sample_weights = []
         collate = functools.partial(collate_prompts, pad_token_id=self.maker.pad)
-        for batch, weights in eval_batches(self.features, collate, self.batch_size):
-            exp, _, _ = self.maker.make(batch, self.rows, parts, training=False)
-            part_weights.append(weights)
-            w = weights.to(dev).double()
-            seq_kl = masked_sum(exp.old_logprobs - exp.ref_logprobs, exp.action_mask, dim=-1).double()
-            sums += torch.stack([(w * exp.raw_scores.double()).sum(), (w * seq_kl).sum(),
-                                 (w * exp.action_mask.sum(-1).double()).sum(), (w * exp.truncated.double()).sum(), w.sum()]).cpu()
-        total = dist.all_reduce_sum(sums)
-        n = max(total[4].item(), 1.0)
-        return {"reward": total[0].item() / n, "kl_per_seq": total[1].item() / n, "response_len": total[2].item() / n,
-                "truncated_rate": total[3].item() / n, "prompts": int(total[4].item()),
-                **part_means(parts, torch.cat(part_weights) if part_weights else None)}
+        with self.own_random_state():
+            for batch, weights in eval_batches(self.features, collate, self.batch_size):
+                exp, _, _ = self.maker.make(batch, self.rows, parts, training=False)
+                sample_weights.append(weights.repeat_interleave(self.samples))
+                sums += batch_sums(exp, weights.double(), self.samples)
+        return {**eval_metrics(dist.all_reduce_sum(sums)),
+                **part_means(parts, torch.cat(sample_weights) if sample_weights else None)}
+
+    @contextlib.contextmanager
+    def own_random_state(self) -> Iterator[None]:
+        """Seed the evaluation's sampling; restore the random state the training had, on the CPU and the actor's GPU."""
+        device = torch.device(self.maker.device)
+        cuda = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.default_generator.manual_seed(self.seed)
+            for d in cuda:
+                with torch.cuda.device(d):
+                    torch.cuda.manual_seed(self.seed)
+            yield
+
+
+def batch_sums(exp: Experience, prompt_weights: torch.Tensor, samples: int) -> torch.Tensor:
+    """[len(SUMS)] fp64 on the CPU: one evaluation batch's weighted sums (``samples`` consecutive rows per
+    prompt). The KL sums are over each response's tokens: k3 = exp(d) - d - 1, d = log p_ref - log p_actor
+    (never negative), and k1 = -d, both on the actor's own samples."""
+    w = prompt_weights.to(exp.raw_scores.device).repeat_interleave(samples)
+    mask = exp.action_mask
+    k3 = masked_sum(kl_estimate(exp.old_logprobs.float(), exp.ref_logprobs.float(), "k3"), mask, dim=-1).double()
+    k1 = masked_sum(kl_estimate(exp.old_logprobs.float(), exp.ref_logprobs.float(), "k1"), mask, dim=-1).double()
+    reward = exp.raw_scores.double()
+    prompt_reward = reward.view(-1, samples).mean(1)
+    pw = w.view(-1, samples)[:, 0].double()
+    w = w.double()
+    return torch.stack([(w * reward).sum(), (pw * prompt_reward).sum(), (pw * prompt_reward.square()).sum(), pw.sum(), w.sum(),
+                        (w * k3).sum(), (w * k1).sum(), (w * mask.sum(-1).double()).sum(),
+                        (w * exp.truncated.double()).sum()]).cpu()
+
+
+def eval_metrics(total: torch.Tensor) -> dict[str, float]:
+    """The held-out metrics from the summed :data:`SUMS`: ``reward`` (mean over responses) and ``reward_se`` (its
+    standard error over prompts, each prompt's mean over its samples; with 2+ prompts), the KL to the reference
+    in nats, k3 ``kl_per_token`` (total / response tokens, as training's ``kl/per_token``) and ``kl_per_seq``
+    (mean over responses), k1 ``kl_k1_per_token`` / ``kl_k1_per_seq``, ``response_len``, ``truncated_rate``,
+    ``prompts`` and ``samples`` (responses)."""
+    t = dict(zip(SUMS, total.tolist()))
+    n, tokens, prompts = max(t["samples"], 1.0), max(t["tokens"], 1.0), t["prompts"]
+    out = {"reward": t["reward"] / n, "kl_per_token": t["kl_k3"] / tokens, "kl_per_seq": t["kl_k3"] / n,
+           "kl_k1_per_token": t["kl_k1"] / tokens, "kl_k1_per_seq": t["kl_k1"] / n, "response_len": t["tokens"] / n,
+           "truncated_rate": t["truncated"] / n, "prompts": int(prompts), "samples": int(t["samples"])}
+    if prompts >= 2:
+        var = max(t["prompt_reward_sq"] - t["prompt_reward"] ** 2 / prompts, 0.0) / (prompts - 1)
+        out["reward_se"] = math.sqrt(var / prompts)
+    return out
 
 
 def step_metrics(c: Collected, train_stats: dict[str, float], *, step_s: float, training_s: float, kl_coef: float,
