@@ -116,6 +116,13 @@ class LoraArgs:
 
 
 @dataclass
+class FreezeArgs:
+    train_top_blocks: Optional[int] = arg(None, "Train only the last N transformer blocks, the final norm and the head "
+                                                "(0: the head alone); the blocks below stay frozen and need no backward "
+                                                "pass. None: every weight.")
+
+
+@dataclass
 class PairArgs:
     pack_pairs: bool = arg(True, "Train on each pair as one row: the shared prompt once, then the chosen and the "
                                  "rejected response, each attending to the prompt and itself (a 4D attention mask; "

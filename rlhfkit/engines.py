@@ -111,10 +111,19 @@ def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, 
                        trust_remote_code=cfg.trust_remote_code, allow_pickle=cfg.allow_pickle_weights, pad_token_id=pad_token_id)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    top_only = getattr(cfg, "train_top_blocks", None) is not None
+    if top_only:
+        from rlhfkit.models.freeze import train_top_only
+
+        trained = train_top_only(model, cfg.train_top_blocks)
+        dist.print_rank0(f"training the top {cfg.train_top_blocks} blocks, the final norm and the head: "
+                         f"{len(trained)} parameter tensors; the rest is frozen")
     model = apply_lora(model, cfg.lora_dim, cfg.lora_alpha, cfg.lora_module_name, cfg.only_optimize_lora,
                        task_type="SEQ_CLS" if kind == "reward" else "CAUSAL_LM")
     return build_engine(model, plan=plan, zero_stage=cfg.zero_stage, dtype=cfg.dtype, offload=cfg.offload,
                         learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2),
                         gradient_clipping=cfg.gradient_clipping, lr_scheduler_type=cfg.lr_scheduler_type,
                         num_warmup_steps=cfg.num_warmup_steps, total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate,
-                        block_leaves=cfg.zero3_block_leaves)
+                        # DeepSpeed's leaf path does not gather a block for its backward pass when the block's input
+                        # needs no gradient, as the lowest trained block's does above frozen ones
+                        block_leaves=cfg.zero3_block_leaves and not top_only)

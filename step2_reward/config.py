@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlhfkit.errors import ConfigError
+
 from rlhfkit.config import (
-    DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, require,
+    DataArgs, DeepSpeedArgs, FreezeArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, require,
 )
 
 
 @dataclass
-class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs):
+class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs, PairArgs, FreezeArgs):
     """Step 2 flags: those of step 1 (DeepSpeed-Chat names). No --num_padding_at_beginning: the
     score is read at the last real token, whatever the padding."""
 
@@ -21,3 +23,7 @@ class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogA
     def validate(self) -> None:
         require(self, "model_name_or_path", "data_path", "output_dir")
         check_common(self)
+        if self.train_top_blocks is not None and self.train_top_blocks < 0:
+            raise ConfigError(f"--train_top_blocks {self.train_top_blocks}: use 0 (the head alone) or more blocks")
+        if self.train_top_blocks is not None and self.lora_dim:
+            raise ConfigError("--train_top_blocks and --lora_dim both choose what trains: pass one of them")

@@ -141,3 +141,35 @@ def test_reward_refuses_a_reward_dir_for_scoring_wrong_stage(tiny_dir, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(d), "--prompt", "a", "--response", "b"],
                           capture_output=True, text=True, cwd=str(__import__("testutils").REPO))
     assert proc.returncode == 2 and "is a 'sft' checkpoint, but --model expects 'reward' or 'critic'" in proc.stderr
+
+
+def test_train_top_only_leaves_the_head_the_final_norm_and_the_last_blocks(tiny_dir, tokenizer):
+    from rlhfkit.errors import ConfigError
+    from rlhfkit.models.freeze import train_top_only
+
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
+    assert train_top_only(model, 0) == ["model.norm.weight", "score.weight"]
+    top = train_top_only(model, 1)
+    assert {n.split(".")[2] for n in top if n.startswith("model.layers.")} == {"1"}  # the tiny model has blocks 0 and 1
+    assert "model.embed_tokens.weight" not in top and "score.weight" in top and "model.norm.weight" in top
+    with pytest.raises(ConfigError, match="has 2 transformer blocks"):
+        train_top_only(model, 3)
+
+
+@pytest.mark.distributed
+def test_reward_program_trains_only_the_top_block_under_zero3(tiny_dir, pair_data, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "rm_top"
+    args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), "--output_dir", str(out),
+            "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
+            "--zero_stage", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "2", "--max_steps", "3",
+            "--lr_scheduler_type", "constant", "--progress_bar", "false", "--train_top_blocks", "1"]
+    proc = run_program("step2_reward/main.py", args, nprocs=2)
+    assert "training the top 1 blocks, the final norm and the head" in proc.stdout
+    before, after = load_file(tiny_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    frozen = [k for k in after if k.startswith(("model.embed_tokens.", "model.layers.0."))]
+    trained = [k for k in after if k.startswith(("model.layers.1.", "model.norm."))]
+    assert frozen and trained
+    assert all(torch.equal(before[k], after[k]) for k in frozen), [k for k in frozen if not torch.equal(before[k], after[k])]
+    assert any(not torch.equal(before[k], after[k]) for k in trained)
