@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rlhfkit.errors import ConfigError, RlhfkitError
+from rlhfkit.program import silence_libraries
 
 # Some of these names are imported only to stay importable from here, where they lived before the split.
 from rlhfkit.eval_models import (  # noqa: F401
@@ -130,7 +130,7 @@ def run_eval(opts: EvalOptions, echo: bool = True) -> Path:
 
     say = print if echo else _silent
     opts.validate()
-    _quiet()
+    silence_libraries()
 
     # 1. Checkpoints: stages, completeness, one tokenizer for all; the reward function; the output dir.
     actor_manifest, tokenizer = check_checkpoints(opts)
@@ -276,16 +276,6 @@ def _device_and_dtype(opts: EvalOptions) -> tuple[str, str]:
     device = pick_device(opts.device)
     return device, opts.dtype if opts.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
 
-
-def _quiet() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.utils.logging.disable_progress_bar()
-    except Exception:  # noqa: BLE001 - cosmetic
-        pass
 
 
 __all__ = ["EvalOptions", "mean_ci", "outcome", "run_eval", "t_quantile", "win_stats", "kl_stats"]
