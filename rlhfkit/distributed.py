@@ -136,6 +136,15 @@ def mean_over_ranks(values: dict[str, float], device: torch.device | None = None
     return {k: float(v) for k, v in zip(keys, t.tolist())}
 
 
+def gather_lists(items: list) -> list:
+    """Every rank's list of picklable items, concatenated in rank order (the same on every rank)."""
+    if not (is_initialized() and world_size() > 1):
+        return list(items)
+    boxes: list = [None] * world_size()
+    dist.all_gather_object(boxes, list(items))
+    return [x for box in boxes for x in box]
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not (is_initialized() and world_size() > 1):
         return obj

@@ -97,6 +97,16 @@ def mean_ci(values: Sequence[float], level: float = CI_LEVEL) -> dict:
     return {"n": n, "mean": mean, "std": std, "ci_half_width": half, "ci_low": mean - half, "ci_high": mean + half}
 
 
+def wilson_interval(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion k/n ((0, 1) when n is 0)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def outcome(actor_reward: float, baseline_reward: float, same_response: bool) -> str:
     """``win`` / ``tie`` / ``loss`` of the actor on one prompt."""
     if same_response or abs(actor_reward - baseline_reward) <= TIE_TOL:

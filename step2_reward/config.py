@@ -20,6 +20,12 @@ class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogA
     learning_rate: float = arg(5e-6, "Peak learning rate.")
     per_device_train_batch_size: int = arg(2, "Pairs per rank per micro-batch (each pair = 2 sequences in one forward).")
 
+    fit_head_only: bool = arg(False, "Keep the whole body frozen and fit only the score head, exactly: every training pair "
+                                     "is scored once and the head is the L2-regularised Bradley-Terry (logistic) fit on "
+                                     "what it reads, the L2 strength chosen by 5-fold cross-validation on the training "
+                                     "pairs. One forward pass over the pairs, no backward; the learning-rate, step and "
+                                     "epoch flags are unused.")
+
     def validate(self) -> None:
         require(self, "model_name_or_path", "data_path", "output_dir")
         check_common(self)
@@ -27,3 +33,7 @@ class RewardConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogA
             raise ConfigError(f"--train_top_blocks {self.train_top_blocks}: use 0 (the head alone) or more blocks")
         if self.train_top_blocks is not None and self.lora_dim:
             raise ConfigError("--train_top_blocks and --lora_dim both choose what trains: pass one of them")
+        if self.fit_head_only:
+            if self.lora_dim or self.train_top_blocks:
+                raise ConfigError("--fit_head_only trains the score head alone: drop --lora_dim / --train_top_blocks")
+            self.train_top_blocks = 0  # the body frozen: no backward pass, no optimizer state for it

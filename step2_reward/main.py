@@ -31,9 +31,10 @@ from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: 
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
-from rlhfkit.rewards import score_pairs  # noqa: E402
+from rlhfkit.rewards import pair_metrics  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
+from step2_reward.head_fit import fit_head  # noqa: E402
 
 
 class PairwiseObjective:
@@ -54,26 +55,43 @@ class PairwiseObjective:
         return loss, {"loss": loss.item(), "accuracy": float(accuracy), "margin": (chosen - rejected).mean().item()}
 
     def evaluate(self, eval_set: list, collate: Any, batch_size: int) -> dict:
-        """Held-out pairs, over all ranks: accuracy (chosen scored above rejected), mean chosen and
-        rejected score, their mean margin."""
+        """Held-out pairs, over all ranks: accuracy (chosen scored above rejected) with its 95% interval,
+        mean chosen and rejected score, their mean margin, the longer-answer baseline and the accuracy
+        where the chosen answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`)."""
         self.engine.eval()
-        chosen, rejected = score_pairs(functools.partial(sequence_scores, self.engine),
-                                       eval_batches(eval_set, collate, batch_size), self.engine.device)
-        sums = torch.tensor([float((chosen > rejected).sum()), float(chosen.sum()), float(rejected.sum()), chosen.numel()],
-                            dtype=torch.float64)
-        total = dist.all_reduce_sum(sums)
-        n = max(total[3].item(), 1.0)
-        return {"accuracy": total[0].item() / n, "chosen_score": total[1].item() / n, "rejected_score": total[2].item() / n,
-                "margin": (total[1].item() - total[2].item()) / n, "pairs": int(total[3].item())}
+        rows = []
+        with torch.no_grad():
+            for batch, weights in eval_batches(eval_set, collate, batch_size):
+                scores = sequence_scores(self.engine, batch["input_ids"].to(self.engine.device),
+                                         batch["attention_mask"].to(self.engine.device)).float().cpu()
+                lengths = batch["attention_mask"].sum(-1)
+                b = scores.shape[0] // 2
+                rows += [(scores[k].item(), scores[b + k].item(), int(lengths[k]), int(lengths[b + k]))
+                         for k in range(b) if weights[k] > 0]
+        columns = list(zip(*dist.gather_lists(rows))) or [(), (), (), ()]
+        c, r, c_len, r_len = (torch.tensor(col, dtype=torch.float64) for col in columns)
+        return pair_metrics(c, r, c_len, r_len)
 
 
 def run_metrics(result: LoopResult) -> dict:
     """The manifest's metrics: held-out accuracy and margin before and after training, and the run's size."""
     first, last = result.evals[0], result.evals[-1]
     return {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
+            "eval_accuracy_ci": [last["accuracy_ci_low"], last["accuracy_ci_high"]],
+            **{f"eval_{k}": last[k] for k in ("longer_baseline", "chosen_shorter_accuracy", "chosen_shorter_pairs") if k in last},
             "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
             "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2,
             "seconds": result.seconds, "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
+
+
+def held_out_baselines(ev: dict) -> str:
+    """The held-out line a length-only reward model would fail: "prefer the longer answer", and the accuracy
+    on the pairs whose chosen answer is the shorter."""
+    if "longer_baseline" not in ev:
+        return "n/a"
+    shorter = (f"{ev['chosen_shorter_accuracy']:.3f} where the chosen answer is the shorter ({ev['chosen_shorter_pairs']} pairs)"
+               if ev.get("chosen_shorter_pairs") else "no pair has the shorter answer chosen")
+    return f"longer answer {ev['longer_baseline']:.3f}; this model {shorter}"
 
 
 def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
@@ -83,7 +101,9 @@ def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
     return {
         "steps": result.steps,
         "time": f"{result.seconds:.1f} s ({metrics['pairs_per_s']:.2f} pairs/s)",
-        "held-out accuracy": f"{first['accuracy']:.3f} before -> {last['accuracy']:.3f} after ({last['pairs']} pairs)",
+        "held-out accuracy": f"{first['accuracy']:.3f} before -> {last['accuracy']:.3f} after ({last['pairs']} pairs; "
+                             f"95% CI {last['accuracy_ci_low']:.3f}-{last['accuracy_ci_high']:.3f})",
+        "baselines": held_out_baselines(last),
         "held-out margin": f"{first['margin']:.3f} before -> {last['margin']:.3f} after",
         "checkpoint": out,
         "metrics": os.path.join(out, "logs", "metrics.jsonl"),
@@ -120,16 +140,21 @@ def main() -> None:
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
 
     # 4. Train on the pairwise loss, evaluating on the held-out pairs before, every --eval_interval steps and after.
+    #    With --fit_head_only the body stays frozen and the head is the exact fit on the training pairs' features.
     pairwise = PairwiseObjective(engine, cfg.pack_pairs)
-    result = fit(engine, loader, compute_loss=pairwise,
-                 evaluate=functools.partial(pairwise.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size),
-                 total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
-                 eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="reward",
-                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}),
-                 max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs else 1)
+    evaluate = functools.partial(pairwise.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size)
+    head_fit: dict = {}
+    if cfg.fit_head_only:
+        result, head_fit = fit_head(engine, train_set, eval_collate, cfg.per_device_eval_batch_size, evaluate, logger, cfg.seed)
+    else:
+        result = fit(engine, loader, compute_loss=pairwise, evaluate=evaluate, total_steps=total_steps,
+                     epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
+                     log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
+                     run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps,
+                     sequences_per_row=2 if cfg.pack_pairs else 1)
 
     # 5. Export the reward-type checkpoint directory.
-    metrics = run_metrics(result)
+    metrics = {**run_metrics(result), **head_fit}
     manifest = build_manifest(stage="reward", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,
                               data=sources, metrics=metrics, zero_stage=cfg.zero_stage, dtype=cfg.dtype,
                               extra={"score_rule": "last real token (rightmost attention_mask == 1)"})

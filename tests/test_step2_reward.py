@@ -132,6 +132,43 @@ def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, 
     assert ev.returncode == 0 and re.match(r"-?\d+\.\d{4}\t", ev.stdout), ev.stdout + ev.stderr[-2000:]
 
 
+@pytest.mark.distributed
+def test_fit_head_only_zero3_is_the_exact_fit_on_the_models_features(tiny_dir, tokenizer, pair_data, tmp_path):
+    """--fit_head_only on 2 ranks under ZeRO-3: the exported head is the linear Bradley-Terry fit on the
+    training pairs' features computed by the plain model (same order, same weights), the body is
+    untouched, and the held-out accuracy printed is the exported model's."""
+    from safetensors.torch import load_file
+
+    from rlhfkit.algos.linear_head import fit_linear_bt_head
+    from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs
+    from rlhfkit.models import head_inputs_at_last_token
+
+    out = tmp_path / "rm"
+    args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), "--output_dir", str(out),
+            "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
+            "--zero_stage", "3", "--fit_head_only", "--per_device_eval_batch_size", "3", "--progress_bar", "false"]
+    proc = run_program("step2_reward/main.py", args, nprocs=2)
+    assert "head fitted on 18 pairs' features" in proc.stdout and "longer answer" in proc.stdout, proc.stdout[-3000:]
+
+    rows, _, _ = load_phase_data(str(pair_data), 2, "pairs", data_split="0,1,0", eval_fraction=0.25)
+    feats, _ = tokenize_pairs(rows, tokenizer, 64)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id).eval()
+    batch = collate_pairs(feats, tokenizer.pad_token_id)
+    with torch.no_grad():
+        h = head_inputs_at_last_token(model, batch["input_ids"], batch["attention_mask"])
+    expected, _ = fit_linear_bt_head(*h.chunk(2), seed=1234)
+    saved = load_file(str(out / "model.safetensors"))
+    torch.testing.assert_close(saved["score.weight"][0].double(), expected, rtol=1e-3, atol=1e-5)
+    body = {k: v for k, v in model.state_dict().items() if k != "score.weight"}
+    assert all(torch.equal(saved[k], v) for k, v in body.items() if k in saved) and len(saved) == len(body) + 1
+
+    manifest = json.loads((out / "rlhfkit.json").read_text())["metrics"]
+    assert manifest["steps"] == 1 and manifest["head_fit_l2"] > 0 and "eval_longer_baseline" in manifest
+    ev = subprocess.run([sys.executable, "step2_reward/evaluate.py", "--model", str(out)], capture_output=True, text=True,
+                        cwd=str(__import__("testutils").REPO))
+    assert float(re.search(r"accuracy (\S+)", ev.stdout).group(1)) == pytest.approx(manifest["eval_accuracy_after"], abs=1e-9)
+
+
 def test_reward_refuses_a_reward_dir_for_scoring_wrong_stage(tiny_dir, tmp_path):
     d = tmp_path / "sftdir"
     import shutil

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlhfkit.algos import IGNORE_INDEX, gather_last_real, logprobs_from_logits
+from rlhfkit.algos import IGNORE_INDEX, gather_last_real, last_real_token_index, logprobs_from_logits
 from rlhfkit.models.attention import additive_mask, position_ids, unwrap_model
 
 
@@ -45,6 +45,20 @@ def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
     finally:
         hook.remove()
     return captured[-1].squeeze(-1).float()
+
+
+def head_inputs_at_last_token(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """What the score head reads for each sequence: its input (the final hidden state) at the last real
+    token, [B, H] fp32; the same forward as :func:`sequence_scores`."""
+    captured: list[torch.Tensor] = []
+    hook = score_head(model).register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False)
+    finally:
+        hook.remove()
+    hidden = captured[-1].float()  # [B, T, H]
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, last_real_token_index(attention_mask)]
 
 
 def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

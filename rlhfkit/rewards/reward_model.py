@@ -3,21 +3,36 @@ and ``step2_reward/evaluate.py`` / ``rlhfkit score`` (one code path, so both pri
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from rlhfkit.eval_stats import wilson_interval
 
-def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, float]:
-    """Accuracy (chosen scored strictly higher), mean scores and mean margin over pairs ([N] each)."""
-    n = max(int(chosen.numel()), 1)
-    return {
-        "accuracy": float((chosen > rejected).sum()) / n,
-        "chosen_score": float(chosen.sum()) / n,
-        "rejected_score": float(rejected.sum()) / n,
-        "margin": float((chosen - rejected).sum()) / n,
-        "pairs": int(chosen.numel()),
+
+def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: Optional[torch.Tensor] = None,
+                 rejected_len: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """Accuracy (chosen scored strictly higher) with its 95% Wilson interval, mean scores and mean margin
+    over pairs ([N] each). With the sequences' token counts also: ``longer_baseline``, the accuracy of
+    "prefer the longer answer" (equal lengths count half), and the accuracy on the pairs whose chosen
+    answer is the shorter, where a model that only counts tokens is wrong every time."""
+    n = int(chosen.numel())
+    right = chosen > rejected
+    low, high = wilson_interval(int(right.sum()), n)
+    out = {
+        "accuracy": float(right.sum()) / max(n, 1), "accuracy_ci_low": low, "accuracy_ci_high": high,
+        "chosen_score": float(chosen.sum()) / max(n, 1),
+        "rejected_score": float(rejected.sum()) / max(n, 1),
+        "margin": float((chosen - rejected).sum()) / max(n, 1),
+        "pairs": n,
     }
+    if chosen_len is not None and rejected_len is not None and n:
+        out["longer_baseline"] = float((chosen_len > rejected_len).sum() + 0.5 * (chosen_len == rejected_len).sum()) / n
+        shorter = chosen_len < rejected_len
+        out["chosen_shorter_pairs"] = int(shorter.sum())
+        if shorter.any():
+            out["chosen_shorter_accuracy"] = float(right[shorter].double().mean())
+    return out
 
 
 @torch.no_grad()
