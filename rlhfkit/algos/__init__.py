@@ -6,7 +6,7 @@ response up to and including EOS, 0 after.
 """
 
 from .advantages import gae_advantages, group_advantages, overlong_penalty, reinforce_pp_returns
-from .controllers import AdaptiveKLController, FixedKLController, ema_update_
+from .controllers import AdaptiveKLController, FixedKLController, RunningMoments, ema_update_
 from .kl import kl_estimate, kl_penalized_rewards
 from .losses import (
     IGNORE_INDEX,
@@ -63,5 +63,6 @@ __all__ = [
     # controllers / EMA
     "FixedKLController",
     "AdaptiveKLController",
+    "RunningMoments",
     "ema_update_",
 ]

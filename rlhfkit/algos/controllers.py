@@ -1,8 +1,8 @@
-"""KL-coefficient controllers and the EMA update.
+"""KL-coefficient controllers, the running reward moments and the EMA update.
 
 Sources: Ziegler et al. 2019 ("Fine-Tuning Language Models from Human Preferences", Sec. 2.2) and
 TRL / verl ``AdaptiveKLController`` / ``FixedKLController``; the EMA as in DeepSpeed-Chat
-``moving_average``.
+``moving_average``; the running moments as TRL's ``RunningMoments`` (Chan et al.'s parallel update).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["FixedKLController", "AdaptiveKLController", "ema_update_"]
+__all__ = ["FixedKLController", "AdaptiveKLController", "RunningMoments", "ema_update_"]
 
 
 class FixedKLController:
@@ -58,6 +58,40 @@ class AdaptiveKLController:
         self.value = float(state["value"])
         self.target = float(state.get("target", self.target))
         self.horizon = float(state.get("horizon", self.horizon))
+
+
+class RunningMoments:
+    """Mean and (population) variance of every value seen so far, updated a batch at a time from the
+    batch's count, sum and sum of squares (so a batch may be spread over ranks: pass the global sums):
+
+      delta = batch_mean - mean,  total = count + n
+      mean += delta * n / total
+      var   = (var * count + batch_var * n + delta^2 * count * n / total) / total
+
+    ``normalize(x)`` = (x - mean) / sqrt(var + eps): reward normalisation (TRL's score scaling, OpenRLHF's
+    ``--normalize_reward``), so the reward's scale, not the reward model's, meets the KL coefficient.
+    """
+
+    def __init__(self, eps: float = 1e-8):
+        self.count, self.mean, self.var, self.eps = 0.0, 0.0, 1.0, eps
+
+    def update(self, n: float, total: float, total_sq: float) -> None:
+        if n <= 0:
+            return
+        batch_mean = total / n
+        batch_var = max(total_sq / n - batch_mean ** 2, 0.0)
+        delta, new_count = batch_mean - self.mean, self.count + n
+        var = (self.var * self.count + batch_var * n + delta ** 2 * self.count * n / new_count) / new_count
+        self.mean, self.var, self.count = self.mean + delta * n / new_count, var, new_count
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / (self.var + self.eps) ** 0.5
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.var = float(state["count"]), float(state["mean"]), float(state["var"])
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import overlong_penalty
+from rlhfkit.algos import RunningMoments, overlong_penalty
 from rlhfkit.experience import Experience, actor_forward, critic_forward
 from rlhfkit.models import sequence_scores
 from rlhfkit.ppo.models import PPOModels
@@ -54,6 +54,7 @@ class ExperienceMaker:
     def __init__(self, cfg: Any, models: PPOModels, tokenizer: Any, reward_fn: Optional[Any]):
         self.cfg, self.models, self.tokenizer, self.reward_fn = cfg, models, tokenizer, reward_fn
         self.pad = tokenizer.pad_token_id
+        self.reward_norm = RunningMoments() if cfg.normalize_reward else None  # its state goes into training states
         self.device = models.actor.device
         self.train_gen = GenerationConfig(max_new_tokens=cfg.max_answer_seq_len, temperature=cfg.temperature, top_p=cfg.top_p,
                                           top_k=cfg.top_k, min_new_tokens=cfg.min_new_tokens, do_sample=not cfg.greedy_rollouts,
@@ -81,9 +82,14 @@ class ExperienceMaker:
         return total
 
     def shaped(self, raw: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
-        """The scores the advantages see: a truncated response's replaced (--truncated_reward), DAPO's
-        overlong penalty added (--overlong_buffer_len)."""
+        """The scores the advantages see: normalised by the running mean and std of all the scores so far
+        (--normalize_reward), then a truncated response's replaced (--truncated_reward), DAPO's overlong
+        penalty added (--overlong_buffer_len)."""
         cfg, scores = self.cfg, raw.clone()
+        if self.reward_norm is not None:
+            sums = dist.all_reduce_sum(torch.stack([torch.tensor(float(len(raw))), raw.sum().cpu(), raw.square().sum().cpu()]).double())
+            self.reward_norm.update(*sums.tolist())
+            scores = self.reward_norm.normalize(scores)
         if cfg.truncated_reward is not None:
             scores = torch.where(batch.truncated.to(self.device), torch.full_like(scores, cfg.truncated_reward), scores)
         if cfg.overlong_buffer_len:
