@@ -45,6 +45,9 @@ class Step3Data:
                                             "over what the policy does and the KL to the reference (k3 on the actor's own samples) "
                                             "is an estimate. Seeded with --seed, with the training's random state set aside, so "
                                             "training is the same whatever the evaluation does.")
+    per_device_eval_batch_size: Optional[int] = arg(None, "Held-out evaluation: prompts per rank per generation batch (each "
+                                                         "with its --eval_n_samples_per_prompt responses). Default: about "
+                                                         "as many sequences as a training generation batch.")
     eval_greedy: bool = arg(False, "Held-out evaluation: one greedy response per prompt instead of sampling (the KL is then only a "
                                    "log-ratio on the greedy path, not an estimate).")
     max_prompt_seq_len: int = arg(256, "Prompts longer than this are left-truncated at a turn boundary, or dropped (counted).")
@@ -96,6 +99,9 @@ class Step3Algo:
                                              "regularise; k3's pulls pi toward pi_ref (in expectation, the gradient of KL(pi_ref || pi)).")
     target_kl: Optional[float] = arg(None, "Adaptive KL controller target (PPO-penalty); None = fixed coefficient.")
     kl_horizon: int = arg(10000, "Adaptive KL controller horizon.")
+    normalize_reward: bool = arg(False, "Normalise the sequence scores by the running mean and std of every score so far "
+                                        "(all ranks), before clipping and KL shaping, so the reward's scale, not the reward "
+                                        "model's, meets --kl_ctl (TRL's score scaling, OpenRLHF's --normalize_reward).")
     clip_reward_value: Optional[float] = arg(5.0, "Clip sequence scores to [-c, c] (None: no clipping).")
     truncated_reward: Optional[float] = arg(None, "Replace the score of a truncated response (no EOS) with this value.")
     gamma: float = arg(1.0, "Discount factor.")
@@ -173,6 +179,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
                      "max_prompt_seq_len", "max_answer_seq_len", "eval_n_samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name} must be >= 1")
+        if self.per_device_eval_batch_size is not None and self.per_device_eval_batch_size < 1:
+            raise ConfigError("--per_device_eval_batch_size must be >= 1")
         if self.samples_per_rank % self.per_device_training_batch_size:
             raise ConfigError(
                 f"--per_device_training_batch_size {self.per_device_training_batch_size} must divide the samples per rank per step "

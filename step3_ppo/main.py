@@ -30,6 +30,7 @@ from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
 from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings, add_advantages, build_models, part_means  # noqa: E402
 from rlhfkit.ppo import step_metrics, train_on  # noqa: E402
+from rlhfkit.ppo.evaluate import PROMPT_REWARDS, paired_gain  # noqa: E402
 from rlhfkit.ppo.progress import Progress, kl_controller, update_kl_controller  # noqa: E402
 from rlhfkit.rewards import load_reward_fn  # noqa: E402
 from rlhfkit.rollout import check_backend  # noqa: E402
@@ -123,6 +124,13 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
         lines["held-out reward"] = (f"step-1 model {b['reward']:.4f} -> actor {a['reward']:.4f} "
                                     f"({a['reward'] - b['reward']:+.4f}; {a['prompts']} prompts x "
                                     f"{a['samples'] // max(a['prompts'], 1)} {'greedy' if cfg.eval_greedy else 'sampled'})")
+        gain = paired_gain(b, a)
+        if gain["n"] >= 2:
+            verdict = "above" if gain["ci_low"] > 0 else "below" if gain["ci_high"] < 0 else "no change from"
+            lines["held-out gain"] = (f"{gain['mean']:+.4f}, 95% CI [{gain['ci_low']:+.4f}, {gain['ci_high']:+.4f}] paired over "
+                                      f"{gain['n']} prompts: the actor is {verdict} the step-1 model")
+        lines["held-out length"] = (f"{b['response_len']:.1f} -> {a['response_len']:.1f} tokens per response, truncated "
+                                    f"{b['truncated_rate']:.0%} -> {a['truncated_rate']:.0%}")
         lines["KL to step-1 model"] = f"{a['kl_per_token']:.4f} nats per token (k3), {a['kl_per_seq']:.3f} per sequence"
     out = os.path.abspath(cfg.output_dir)
     lines["metrics"] = os.path.join(out, "logs", "metrics.jsonl")
@@ -133,14 +141,18 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
 def evaluate_at(step: int, evaluate: HeldOutEval, progress: Progress, logger: MetricsLogger, write=None) -> None:
     """The held-out evaluation at ``step``: kept in ``progress.evals`` and logged under eval/."""
     progress.evals.append({"step": step, **evaluate()})
-    logger.log(step, {f"eval/{k}": v for k, v in progress.evals[-1].items() if k != "step"}, write=write)
+    logger.log(step, {f"eval/{k}": v for k, v in progress.evals[-1].items() if k not in ("step", PROMPT_REWARDS)}, write=write)
 
 
 def final_metrics(progress: Progress, total_steps: int, seconds: float, fingerprints: dict) -> dict:
     """The manifest's metrics: run length, and the held-out reward before and after."""
     evals = progress.evals
+    gain = paired_gain(evals[0], evals[-1]) if evals else {}
     return {"steps": total_steps, "seconds": seconds, "samples": progress.samples, "frozen_fingerprints": fingerprints,
             **({"eval_reward_before": evals[0]["reward"], "eval_reward_after": evals[-1]["reward"],
+                "eval_reward_gain": gain["mean"], "eval_reward_gain_ci": [gain["ci_low"], gain["ci_high"]],
+                "eval_prompts": evals[-1]["prompts"], "eval_kl_per_token_after": evals[-1]["kl_per_token"],
+                "eval_response_len_before": evals[0]["response_len"], "eval_response_len_after": evals[-1]["response_len"],
                 "eval_kl_per_seq_after": evals[-1]["kl_per_seq"]} if evals else {})}
 
 
@@ -176,7 +188,7 @@ def main() -> None:
     progress = Progress(prompts=BatchStream(loader), ptx=ptx_batches(cfg, tokenizer))
     restored = run_state.restore()
     if restored:
-        progress.restore(restored, kl_ctl, trained.ema)
+        progress.restore(restored, kl_ctl, trained.ema, maker.reward_norm)
     elif len(evaluate):
         evaluate_at(0, evaluate, progress, logger)
     guard = NonFiniteGuard(cfg.max_nonfinite_steps, functools.partial(operator.attrgetter("last_saved"), run_state))
@@ -210,7 +222,7 @@ def main() -> None:
         if len(evaluate) and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
             evaluate_at(step, evaluate, progress, logger, write=bar.write)
         if run_state.due(step):
-            progress.save(run_state, kl_ctl, trained.ema)
+            progress.save(run_state, kl_ctl, trained.ema, maker.reward_norm)
         bar.update(1)
     bar.close()
     seconds = time.time() - t_start

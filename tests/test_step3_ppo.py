@@ -80,6 +80,13 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     assert set(fp) == {"reference", "reward_model"}
     assert (out / "actor_ema" / "rlhfkit.json").exists()
     assert "held-out reward" in proc.stdout
+    # the gain is paired by prompt over every rank's prompts: its mean is the difference of the two means
+    m = manifest["metrics"]
+    evals = [r for r in read_metrics(out) if "eval/reward" in r]
+    assert m["eval_reward_gain"] == pytest.approx(evals[-1]["eval/reward"] - evals[0]["eval/reward"], abs=1e-9)
+    assert m["eval_prompts"] == evals[-1]["eval/prompts"] == 2
+    assert m["eval_reward_gain_ci"][0] <= m["eval_reward_gain"] <= m["eval_reward_gain_ci"][1]
+    assert "held-out gain" in proc.stdout and "paired over 2 prompts" in proc.stdout
 
 
 def test_held_out_eval_samples_and_leaves_training_as_it_was(tiny_dir, reward_dir, data, tmp_path):

@@ -28,13 +28,27 @@ from rlhfkit.program import peak_rss_gb
 SUMS = ("reward", "prompt_reward", "prompt_reward_sq", "prompts", "samples", "kl_k3", "kl_k1", "tokens", "truncated")
 
 
+# The evaluation's per-prompt mean rewards, in prompt order: kept for paired comparisons, not logged as a metric.
+PROMPT_REWARDS = "prompt_rewards"
+
+
+def paired_gain(before: dict, after: dict) -> dict:
+    """The held-out reward gain of ``after`` over ``before`` (two evaluations of the same prompts), paired by
+    prompt: the mean of the per-prompt differences with its 95% t interval (``rlhfkit.eval_stats.mean_ci``)."""
+    from rlhfkit.eval_stats import mean_ci
+
+    a, b = after.get(PROMPT_REWARDS, []), before.get(PROMPT_REWARDS, [])
+    return mean_ci([x - y for x, y in zip(a, b)] if len(a) == len(b) else [])
+
+
 class HeldOutEval:
     """``evaluate()`` -> the held-out metrics of the current actor, over all ranks (see :func:`eval_metrics`).
 
     Sampling is seeded with ``--seed`` + rank, the same at every evaluation (successive evaluations differ
     by the policy, not by the draw), inside a forked random state: the training's random stream is
-    exactly what it would be without evaluation. A batch holds about as many sequences as a training
-    generation batch (prompts x G), so evaluating needs no more memory than a rollout.
+    exactly what it would be without evaluation. A batch holds ``--per_device_eval_batch_size`` prompts,
+    by default about as many sequences as a training generation batch (prompts x G), so evaluating needs no
+    more memory than a rollout.
     """
 
     def __init__(self, maker: ExperienceMaker, features: Sequence[dict], rows: Sequence[Any], batch_size: int):
@@ -44,7 +58,8 @@ class HeldOutEval:
         self.maker, self.features, self.rows = maker, features, rows
         self.samples = maker.eval_samples
         per_rank = max(1, math.ceil(len(features) / dist.world_size()))
-        self.batch_size = min(per_rank, max(1, batch_size * cfg.n_samples_per_prompt // self.samples))  # prompts per batch
+        default = max(1, batch_size * cfg.n_samples_per_prompt // self.samples)  # about a rollout's sequences
+        self.batch_size = min(per_rank, cfg.per_device_eval_batch_size or default)  # prompts per batch
         self.seed = cfg.seed + dist.rank()
 
     def __len__(self) -> int:
@@ -55,15 +70,18 @@ class HeldOutEval:
         self.maker.models.actor.eval()
         sums = torch.zeros(len(SUMS), dtype=torch.float64)
         parts: dict[str, list] = {}
-        sample_weights = []
+        sample_weights, by_prompt = [], []
         collate = functools.partial(collate_prompts, pad_token_id=self.maker.pad)
         with self.own_random_state():
             for batch, weights in eval_batches(self.features, collate, self.batch_size):
                 exp, _, _ = self.maker.make(batch, self.rows, parts, training=False)
                 sample_weights.append(weights.repeat_interleave(self.samples))
                 sums += batch_sums(exp, weights.double(), self.samples)
+                means = exp.raw_scores.double().view(-1, self.samples).mean(1).tolist()
+                by_prompt += [(i, m) for i, m, w in zip(batch["index"].tolist(), means, weights.tolist()) if w > 0]
         return {**eval_metrics(dist.all_reduce_sum(sums)),
-                **part_means(parts, torch.cat(sample_weights) if sample_weights else None)}
+                **part_means(parts, torch.cat(sample_weights) if sample_weights else None),
+                PROMPT_REWARDS: [m for _, m in sorted(dist.gather_lists(by_prompt))]}
 
     @contextlib.contextmanager
     def own_random_state(self) -> Iterator[None]:
