@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from rlhfkit.errors import RlhfkitError
+from rlhfkit.outcomes import outcome_lines
 from rlhfkit.rendering import fmt, label_axes, md_escape, png_figure
 
 METRICS_FILE = "metrics.jsonl"
@@ -303,8 +304,11 @@ def headline(stage: Stage) -> list[tuple[str, float, float]]:
     return [(k, stage.series[k][0][1], stage.series[k][-1][1]) for k in keys if k in stage.series]
 
 
-def build_markdown(run_dir: Path, stages: list[Stage], plots: dict[str, list[tuple[str, str]]]) -> str:
+def build_markdown(run_dir: Path, stages: list[Stage], plots: dict[str, list[tuple[str, str]]],
+                   outcomes: Optional[list[str]] = None) -> str:
     lines = [f"# rlhfkit run report: `{run_dir}`", ""]
+    if outcomes:
+        lines += ["## Held-out outcomes", "", *[f"- {md_escape(x.strip())}" for x in outcomes], ""]
     lines += ["| Stage | Program | Steps | Records | Wall time | Key metrics (first → last) |",
               "|---|---|---:|---:|---:|---|"]
     for st in stages:
@@ -355,11 +359,14 @@ def write_report(run_dir: str | os.PathLike, out_dir: Optional[str | os.PathLike
                 plot_stage(st, spec, out / file)
                 plots.setdefault(st.label, []).append((key, file))
     report = out / "report.md"
-    report.write_text(build_markdown(run, stages, plots) + "\n", encoding="utf-8")
+    outcomes = outcome_lines(run)
+    report.write_text(build_markdown(run, stages, plots, outcomes) + "\n", encoding="utf-8")
     if echo:
         for st in stages:
             key_metrics = "; ".join(f"{k} {fmt(a)} -> {fmt(b)}" for k, a, b in headline(st))
             print(f"{st.label:<12} {st.program:<7} steps {st.last_step}: {key_metrics}")
         n = sum(len(v) for v in plots.values())
         print(f"report written to {report} ({n} plot{'s' if n != 1 else ''})")
+        if outcomes:
+            print("\n==== held-out outcomes ====\n" + "\n".join(outcomes))
     return report

@@ -176,3 +176,36 @@ def test_markdown_cells_and_fences():
     assert fence("a\n````\nb", 100) == "`````text\na\n````\nb\n`````"  # longer than any backtick run inside
     assert fence("abcdef", 4) == "```text\nabcd [...]\n```"
     assert [fmt(v) for v in (None, 0.0, 1234.5678, 0.0001234, 2.5e6, float("nan"))] == ["–", "0", "1235", "1.234e-04", "2.500e+06", "nan"]
+
+
+def test_held_out_outcomes_state_each_target_met_or_missed(run_dir, capsys):
+    """The outcome lines read the stage manifests and say 'met' or 'MISSED' for each target, with the numbers."""
+    from rlhfkit.outcomes import Targets, outcome_lines
+
+    def manifest(path: Path, metrics: dict) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "rlhfkit.json").write_text(json.dumps({"stage": "x", "metrics": metrics}))
+
+    rm = {"eval_accuracy_before": 0.48, "eval_accuracy_after": 0.62, "eval_accuracy_ci": [0.555, 0.68], "eval_pairs": 227,
+          "eval_longer_baseline": 0.47, "eval_chosen_shorter_accuracy": 0.86, "eval_chosen_shorter_pairs": 118}
+    manifest(run_dir / "step2", rm)
+    ppo = {"eval_reward_before": 0.17, "eval_reward_after": 0.24, "eval_reward_gain": 0.07, "eval_reward_gain_ci": [0.03, 0.11],
+           "eval_prompts": 64, "eval_kl_per_token_after": 0.0063}
+    manifest(run_dir / "step3" / "actor", ppo)
+    lines = outcome_lines(run_dir)
+    assert lines[0].startswith("step 2 (reward model): held-out accuracy 0.620, 95% CI [0.555, 0.680], on 227 pairs")
+    assert lines[0].endswith(": met") and "'prefer the longer answer' 0.470" in lines[1] and "0.860 on the 118 pairs" in lines[1]
+    assert "gain +0.0700, paired 95% CI [+0.0300, +0.1100] over 64 prompts; KL 0.0063 nats per token" in lines[2]
+    assert lines[2].endswith(": met")
+    # each condition of a target can miss it: the accuracy, the CI's lower end, the number of pairs / prompts
+    for change in ({"eval_accuracy_after": 0.59}, {"eval_accuracy_ci": [0.49, 0.7]}, {"eval_pairs": 127}):
+        manifest(run_dir / "step2", {**rm, **change})
+        assert outcome_lines(run_dir)[0].endswith(": MISSED"), change
+    for change in ({"eval_reward_gain_ci": [-0.01, 0.11]}, {"eval_prompts": 63}):
+        manifest(run_dir / "step3" / "actor", {**ppo, **change})
+        assert outcome_lines(run_dir)[2].endswith(": MISSED"), change
+    assert outcome_lines(run_dir, Targets(rm_accuracy=0.65))[0].endswith(": MISSED")
+    # report prints them and puts them at the top of report.md
+    report = write_report(run_dir)
+    assert "==== held-out outcomes ====" in capsys.readouterr().out
+    assert "## Held-out outcomes" in report.read_text().split("| Stage |")[0]
