@@ -1,4 +1,4 @@
-"""`rlhfkit` command line: prepare-base, chat, score, eval, report.
+"""`rlhfkit` command line: prepare-base, chat, score, eval, report, best-of-n.
 
 Each command has an ``add_<name>_parser(sub)`` that declares its flags and sets ``func``; the
 command bodies import their modules lazily so ``rlhfkit --help`` stays fast. A new command is one
@@ -178,12 +178,34 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 # ----------------------------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------------------------
+# best-of-n
+
+
+def cmd_best_of_n(args: argparse.Namespace) -> None:
+    from rlhfkit.best_of_n import run
+
+    run(args)
+
+
+def add_best_of_n_parser(sub: argparse._SubParsersAction) -> None:
+    from rlhfkit.best_of_n import add_arguments
+
+    p = sub.add_parser(
+        "best-of-n", help="best-of-N sampling with a reward model, scored by judges: does the reward model carry signal?",
+        description="The policy samples max(N) responses per prompt; the reward model picks the best of the first N; each "
+                    "--judge scores the picks. Per N: the judges' mean score and its paired gain over N=1, with 95%% CIs.")
+    add_arguments(p)
+    p.set_defaults(func=cmd_best_of_n)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
     add_score_parser,
     add_report_parser,
     add_eval_parser,
+    add_best_of_n_parser,
 ]
 
 
