@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole RLHF pipeline on one data path: prepare-base -> step 1 SFT -> step 2 reward model ->
-# step 3 PPO, with DeepSpeed-Chat's --data_split 2,4,4 (each step trains on its own share).
+# step 3 PPO; each step trains on its own share of the data (--data_split: 2,6,2 in the small preset,
+# DeepSpeed-Chat's 2,4,4 in the others), then `rlhfkit eval` and `rlhfkit report`, which ends with the
+# held-out outcomes of the run.
 #
 #   launch/pipeline.sh [--out RUN_DIR] [--data PATH...] [--size tiny|small|full] [--algo ppo]
 #                      [--model BASE_DIR] [--zero_stage 3] [--dtype bf16]
@@ -8,7 +10,7 @@
 #
 # --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
 # --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
-#            small (default; 15-35 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
+#            small (default; about 15 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
 # --model    start from this base checkpoint / HF causal-LM dir instead of `rlhfkit prepare-base`
 # --stepN_args  extra flags for one stage's program, word-split (e.g. --step1_args "--lora_dim 8";
 #            group algorithms need --algo grpo --step3_args "--n_samples_per_prompt 4")
@@ -18,35 +20,49 @@
 # ---- size presets: tune here -------------------------------------------------------------------
 # Step 1/2: optimiser steps, micro-batch per rank, gradient accumulation, max_seq_len.
 # Step 3: PPO steps, prompts per rank per step, max_prompt_seq_len, max_answer_seq_len.
-# EVAL: cap on held-out examples of steps 1/2. An empty value leaves the program's default
-# (no step cap = one epoch of the step's share).
+# SFT_EVAL / RM_EVAL: cap on held-out examples of steps 1/2. DATA_SPLIT: each source's shares for steps 1,2,3.
+# SFT_FLAGS / RM_FLAGS / PPO_FLAGS: more program flags (--stepN_args come after them and win).
+# An empty value leaves the program's default (no step cap = one epoch of the step's share).
 preset() {
   case "$1" in
     tiny)   # a handful of steps each: does everything run? (cpu_smoke.sh)
+      DATA_SPLIT=2,4,4
       SFT_STEPS=4   SFT_MICRO=2  SFT_ACCUM=1  SFT_SEQ=128
       RM_STEPS=4    RM_MICRO=2   RM_ACCUM=1   RM_SEQ=128
       PPO_STEPS=2   PPO_PROMPTS=2  PPO_PROMPT_SEQ=64   PPO_ANSWER_SEQ=32
       SFT_LR=2e-5   RM_LR=2e-5   ACTOR_LR=1e-5  CRITIC_LR=1e-5
-      EVAL=8 ;;
-    small)  # default, SmolLM2-135M on a 2-core CPU, 2 ranks. Measured: 12 min in all where oneDNN has bf16 kernels
-            # (AVX-512: ~4.4 s per SFT step of 4x2 rows at 256 tokens, ~4 s per reward step of 2x2 pairs, 9-14 s per
-            # PPO step); 36 min on an AVX2-only CPU (~20 s, ~10 s, ~35 s: bf16 products taken in fp32 there)
+      SFT_EVAL=8    RM_EVAL=8
+      SFT_FLAGS=""  RM_FLAGS=""  PPO_FLAGS=""
+      RUN_EVAL=1 ;;
+    small)  # default, SmolLM2-135M on a 2-core CPU, 2 ranks: a run that shows learning on held-out data (README
+            # "What the default run learns"). Most pairs go to the reward model, whose head is fitted exactly on
+            # the frozen features (--fit_head_only); 20% of each of steps 2 and 3's shares is held out, so step 2
+            # is judged on >= 128 pairs and step 3 on 64 prompts x 4 sampled responses.
+      DATA_SPLIT=2,6,2
       SFT_STEPS=40  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
-      RM_STEPS=40   RM_MICRO=2   RM_ACCUM=1   RM_SEQ=256
-      PPO_STEPS=12  PPO_PROMPTS=2  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
-      # few steps: rates high enough to move bf16 weights (1e-6 x 12 steps is below bf16 resolution)
-      SFT_LR=2e-5   RM_LR=2e-5   ACTOR_LR=1e-5  CRITIC_LR=1e-5
-      EVAL=32 ;;
+      RM_STEPS=""   RM_MICRO=2   RM_ACCUM=1   RM_SEQ=256
+      PPO_STEPS=20  PPO_PROMPTS=4  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
+      # rewards normalised to unit scale (a fitted head's scores spread by ~0.2). Actor lr 1e-5: 2e-5 and 3e-5
+      # raised the held-out reward more but collapsed the answers to 10-20 tokens (KL 0.19-0.44 nats/token)
+      SFT_LR=2e-5   RM_LR=""     ACTOR_LR=1e-5  CRITIC_LR=1e-5
+      SFT_EVAL=32   RM_EVAL=""
+      SFT_FLAGS=""
+      RM_FLAGS="--fit_head_only --eval_fraction 0.2 --per_device_eval_batch_size 8"
+      PPO_FLAGS="--normalize_reward --eval_fraction 0.2 --per_device_eval_batch_size 8"
+      RUN_EVAL=0 ;;  # step 3's own held-out evaluation compares the actor with the step-1 model; rlhfkit eval
+                     # would repeat it with win rates (~3 min more): run it by hand, the command is printed
     full)   # one epoch of each share at DeepSpeed-Chat-like sizes (GPUs)
+      DATA_SPLIT=2,4,4
       SFT_STEPS=""  SFT_MICRO=8  SFT_ACCUM=1  SFT_SEQ=512
       RM_STEPS=""   RM_MICRO=8   RM_ACCUM=1   RM_SEQ=512
       PPO_STEPS=""  PPO_PROMPTS=8  PPO_PROMPT_SEQ=256  PPO_ANSWER_SEQ=256
       SFT_LR=""     RM_LR=""     ACTOR_LR=""    CRITIC_LR=""
-      EVAL="" ;;
+      SFT_EVAL=""   RM_EVAL=""
+      SFT_FLAGS=""  RM_FLAGS=""  PPO_FLAGS=""
+      RUN_EVAL=1 ;;
     *) rk_die "--size $1: use tiny, small or full" ;;
   esac
 }
-DATA_SPLIT=2,4,4
 # -------------------------------------------------------------------------------------------------
 
 # shellcheck source=launch/common.sh
@@ -81,9 +97,9 @@ stage() {   # stage NAME OUTPUT_DIR SCRIPT ARGS...
     bash "$RK_LAUNCH/$script" "$@"
   fi
 }
-read -r -a STEP1_EXTRA <<<"$STEP1_ARGS"
-read -r -a STEP2_EXTRA <<<"$STEP2_ARGS"
-read -r -a STEP3_EXTRA <<<"$STEP3_ARGS"
+read -r -a STEP1_EXTRA <<<"$SFT_FLAGS $STEP1_ARGS"
+read -r -a STEP2_EXTRA <<<"$RM_FLAGS $STEP2_ARGS"
+read -r -a STEP3_EXTRA <<<"$PPO_FLAGS $STEP3_ARGS"
 rk_log "pipeline: size=$SIZE run=$RUN data=${DATA[*]}"
 
 # 0. Base model.
@@ -93,14 +109,14 @@ if [ -z "$MODEL" ]; then
 fi
 
 # 1. SFT on prompt + chosen.
-mapfile -t A < <(opt --max_steps "$SFT_STEPS"; opt --max_eval_samples "$EVAL"; opt --learning_rate "$SFT_LR")
+mapfile -t A < <(opt --max_steps "$SFT_STEPS"; opt --max_eval_samples "$SFT_EVAL"; opt --learning_rate "$SFT_LR")
 stage "step 1 (SFT)" "$RUN/step1" step1_sft.sh \
   --model "$MODEL" --data "${DATA[@]}" --output "$RUN/step1" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
   --data_split "$DATA_SPLIT" --per_device_train_batch_size "$SFT_MICRO" --gradient_accumulation_steps "$SFT_ACCUM" \
   --max_seq_len "$SFT_SEQ" "${A[@]}" "${STEP1_EXTRA[@]}"
 
 # 2. Reward model on chosen vs rejected.
-mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$EVAL"; opt --learning_rate "$RM_LR")
+mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$RM_EVAL"; opt --learning_rate "$RM_LR")
 stage "step 2 (reward model)" "$RUN/step2" step2_reward.sh \
   --model "$RUN/step1" --data "${DATA[@]}" --output "$RUN/step2" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
   --data_split "$DATA_SPLIT" --per_device_train_batch_size "$RM_MICRO" --gradient_accumulation_steps "$RM_ACCUM" \
@@ -116,8 +132,12 @@ stage "step 3 ($ALGO)" "$RUN/step3" step3_ppo.sh \
 
 # ---- HOOKS: evaluation and report. They run once `rlhfkit eval` / `rlhfkit report` exist;
 # ---- adjust their flags here when those subcommands land.
-if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/null 2>&1; then
-  rk_exec "$RK_RLHFKIT" eval --actor "$RUN/step3/actor" --baseline "$RUN/step1" --reward_model "$RUN/step2" --out "$RUN/eval" --max_new_tokens "$PPO_ANSWER_SEQ"; rk_log "evaluation (actor vs step 1 on held-out prompts): $RUN/eval/report.md, $RUN/eval/results.json"  # HOOK: rlhfkit eval
+EVAL_CMD=("$RK_RLHFKIT" eval --actor "$RUN/step3/actor" --baseline "$RUN/step1" --reward_model "$RUN/step2" --out "$RUN/eval"
+          --max_new_tokens "$PPO_ANSWER_SEQ")
+if [ "$RUN_EVAL" != 1 ]; then
+  rk_log "rlhfkit eval (win rates of the actor over step 1) is not run by the $SIZE preset; run: ${EVAL_CMD[*]}"
+elif command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/null 2>&1; then
+  rk_exec "${EVAL_CMD[@]}"; rk_log "evaluation (actor vs step 1 on held-out prompts): $RUN/eval/report.md, $RUN/eval/results.json"  # HOOK: rlhfkit eval
 fi
 if command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" report --help >/dev/null 2>&1; then
   rk_exec "$RK_RLHFKIT" report "$RUN"; rk_log "training report: $RUN/report/report.md"  # HOOK: rlhfkit report
