@@ -136,7 +136,8 @@ def main() -> None:
     engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=pad,
                               row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
-    dist.print_rank0(f"training {total_steps} steps, {plan.global_batch} pairs per step "
+    dist.print_rank0(f"fitting the score head on {len(train_set)} pairs' features (the body frozen, no optimiser steps)"
+                     if cfg.fit_head_only else f"training {total_steps} steps, {plan.global_batch} pairs per step "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
 
     # 4. Train on the pairwise loss, evaluating on the held-out pairs before, every --eval_interval steps and after.
