@@ -70,7 +70,8 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
                                                      # ZeRO-3: the offloaded reference keeps the engine path, the rest use copies
                                                      *(["--offload_reference_model"] if zero == 3 else [])), nprocs=ranks)
     step = [r for r in read_metrics(out) if "policy/loss" in r][0]
-    assert_finite(step, ("policy/loss", "value/loss", "kl/per_token", "reward/score_mean", "policy/entropy", "policy/clip_frac",
+    assert_finite(step, ("policy/loss", "value/loss", "value/explained_var", "kl/per_token", "reward/score_mean",
+                         "policy/entropy", "policy/clip_frac",
                          "time/generation_s", "gen/truncated_rate", "perf/gen_tokens_per_s"))
     assert weights_changed(tiny_dir, out / "actor")  # the actor trained
     assert weights_changed(reward_dir, out / "critic")  # the critic trained

@@ -20,6 +20,7 @@ from .losses import (
 )
 from .stats import (
     entropy_from_logits,
+    explained_variance,
     gather_last_real,
     last_real_token_index,
     logprobs_from_logits,
@@ -41,6 +42,7 @@ __all__ = [
     "mean_var_from_moments",
     "logprobs_from_logits",
     "entropy_from_logits",
+    "explained_variance",
     "last_real_token_index",
     "gather_last_real",
     # kl / rewards

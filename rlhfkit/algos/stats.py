@@ -126,6 +126,15 @@ def mean_var_from_moments(moments: torch.Tensor, unbiased: bool = True):
     return mean.float(), var.float()
 
 
+def explained_variance(moments_returns: torch.Tensor, moments_residual: torch.Tensor) -> float:
+    """1 - Var[returns - values] / Var[returns] from the two :func:`masked_moments` (of the returns and of
+    ``returns - values``, each summed over ranks): 1 when the critic's values predict the returns exactly,
+    0 when they do no better than the returns' mean, negative when worse. nan when the returns do not vary."""
+    _, var_r = mean_var_from_moments(moments_returns, unbiased=False)
+    _, var_e = mean_var_from_moments(moments_residual, unbiased=False)
+    return float("nan") if var_r.item() <= 0 else 1.0 - var_e.item() / var_r.item()
+
+
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """log p(label) per position: logits [..., V] (e.g. [B, T, V]), labels [...] long -> [...] fp32.
 

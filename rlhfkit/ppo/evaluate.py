@@ -16,7 +16,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import kl_estimate, masked_mean, masked_sum
+from rlhfkit.algos import explained_variance, kl_estimate, masked_mean, masked_moments, masked_sum
 from rlhfkit.data import collate_prompts
 from rlhfkit.errors import ConfigError
 from rlhfkit.experience import Experience
@@ -148,6 +148,10 @@ def step_metrics(c: Collected, train_stats: dict[str, float], *, step_s: float, 
     metrics = dist.mean_over_ranks(local, dev)
     n_samples = len(exp) * dist.world_size()
     n_tokens = dist.all_reduce_sum(lengths.sum().double()).item()
+    if exp.values is not None:  # how well the critic's values (before this step's update) predicted the returns
+        mask = exp.action_mask
+        moments = dist.all_reduce_sum(torch.cat([masked_moments(exp.returns, mask), masked_moments(exp.returns - exp.values, mask)]))
+        metrics["value/explained_var"] = explained_variance(moments[:3], moments[3:])
     metrics.update(dist.max_over_ranks({"mem/peak_rss_gb": peak_rss_gb()}, dev))
     metrics.update({f"reward/{k}": v for k, v in part_means(c.reward_parts).items()})
     metrics.update({"kl/coef": kl_coef, "nonfinite/skipped": nonfinite_skipped, "sampling/rounds": c.rounds,

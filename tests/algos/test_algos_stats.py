@@ -135,3 +135,28 @@ def test_last_real_token_index_matches_hf_pooling():
     non_pad = (input_ids != pad).int()
     hf_last = (torch.arange(input_ids.shape[-1]) * non_pad).argmax(-1)
     assert torch.equal(last_real_token_index(attention_mask), hf_last)
+
+
+def test_explained_variance_by_hand():
+    from rlhfkit.algos import explained_variance, masked_moments
+
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.ones(1, 4)
+
+    def ev(values, m=mask, r=returns):
+        return explained_variance(masked_moments(r, m), masked_moments(r - values, m))
+
+    assert ev(returns) == pytest.approx(1.0)                                  # exact values
+    assert ev(torch.full((1, 4), 2.5)) == pytest.approx(0.0)                  # the returns' mean: explains nothing
+    assert ev(torch.tensor([[2.0, 1.0, 4.0, 3.0]])) == pytest.approx(1 - 1.0 / 1.25)  # residual var 1, returns var 1.25
+    # masked-out tokens count nothing; moments summed over "ranks" give the global figure
+    assert ev(torch.tensor([[1.0, 2.0, 3.0, 0.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+              torch.tensor([[1.0, 2.0, 3.0, 99.0]])) == pytest.approx(1.0)
+    a, b = returns[:, :2], returns[:, 2:]
+    va, vb = torch.tensor([[2.0, 1.0]]), torch.tensor([[4.0, 3.0]])
+    ones = torch.ones(1, 2)
+    total_r = masked_moments(a, ones) + masked_moments(b, ones)
+    total_e = masked_moments(a - va, ones) + masked_moments(b - vb, ones)
+    assert explained_variance(total_r, total_e) == pytest.approx(0.2)
+    assert math.isnan(explained_variance(masked_moments(torch.ones(1, 3), torch.ones(1, 3)),
+                                         masked_moments(torch.zeros(1, 3), torch.ones(1, 3))))
