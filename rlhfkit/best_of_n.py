@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from rlhfkit.errors import ConfigError
 from rlhfkit.eval_stats import mean_ci
@@ -93,14 +93,14 @@ def per_prompt(values: list, k: int) -> list[list]:
     return [values[i:i + k] for i in range(0, len(values), k)]
 
 
-def run(args: argparse.Namespace, ns: Optional[list[int]] = None) -> list[dict]:
+def run(args: argparse.Namespace) -> list[dict]:
     from rlhfkit.eval_models import free_memory, generate, load_lm, load_reward_model, reward_model_scores, unpack
     from rlhfkit.models import load_tokenizer
     from rlhfkit.program import silence_libraries
     from rlhfkit.rollout import GenerationConfig
 
     silence_libraries()
-    ns = ns or sorted({int(x) for x in str(args.n).split(",") if x.strip()})
+    ns = sorted({int(x) for x in str(args.n).split(",") if x.strip()})
     if not ns or ns[0] < 1:
         raise ConfigError(f"--n {args.n}: give N values >= 1, e.g. 1,4,16")
     tokenizer = load_tokenizer(args.policy, False, padding_side="left")

@@ -27,11 +27,10 @@ class Targets:
     min_prompts: int = 64
 
 
-def _metrics(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")).get("metrics") or None
-    except (OSError, ValueError):
-        return None
+def _metrics(directory: Path) -> Optional[dict]:
+    from rlhfkit.checkpoint import read_manifest
+
+    return (read_manifest(directory) or {}).get("metrics") or None
 
 
 def _verdict(ok: bool) -> str:
@@ -93,10 +92,10 @@ def outcome_lines(run_dir: str | Path, targets: Optional[Targets] = None) -> lis
     """The held-out outcome lines of a pipeline run directory (empty when it has none of the stages)."""
     run, t = Path(run_dir), targets or Targets()
     lines: list[str] = []
-    rm = _metrics(run / "step2" / "rlhfkit.json")
+    rm = _metrics(run / "step2")
     if rm and "eval_accuracy_after" in rm:
         lines += reward_model_lines(rm, t)
-    actor = _metrics(run / "step3" / "actor" / "rlhfkit.json")
+    actor = _metrics(run / "step3" / "actor")
     if actor:
         lines += policy_lines(actor, t)
     try:

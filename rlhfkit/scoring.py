@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> None:
     feats, report = tokenize_pairs(rows, tokenizer, max_seq_len)
     if not feats:
         raise DataError(f"no usable pairs in {data_path}: {report.summary()}")
-    chosen, rejected = score_pairs(lambda ids, mask: sequence_scores(model, ids, mask),
+    chosen, rejected, _, _ = score_pairs(lambda ids, mask: sequence_scores(model, ids, mask),
                                    eval_batches(feats, lambda r: collate_pairs(r, tokenizer.pad_token_id), args.batch_size))
     m = pair_metrics(chosen, rejected)
     print(f"pairs {m['pairs']} ({split})  accuracy {m['accuracy']:.4f}  chosen {m['chosen_score']:.4f}  "

@@ -58,8 +58,9 @@ def install_head(engine: Any, weight: torch.Tensor) -> None:
 
     head = score_head(engine)
     params = list(head.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=any(hasattr(p, "ds_id") for p in params)):
-        if dist.is_main() or not any(hasattr(p, "ds_id") for p in params):
+    partitioned = any(hasattr(p, "ds_id") for p in params)
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=partitioned):
+        if dist.is_main() or not partitioned:
             head.weight.copy_(weight.to(head.weight.dtype).view_as(head.weight))
             if getattr(head, "bias", None) is not None:
                 head.bias.zero_()

@@ -31,7 +31,7 @@ from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: 
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
-from rlhfkit.rewards import pair_metrics  # noqa: E402
+from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
 from step2_reward.head_fit import fit_head  # noqa: E402
@@ -59,16 +59,9 @@ class PairwiseObjective:
         mean chosen and rejected score, their mean margin, the longer-answer baseline and the accuracy
         where the chosen answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`)."""
         self.engine.eval()
-        rows = []
-        with torch.no_grad():
-            for batch, weights in eval_batches(eval_set, collate, batch_size):
-                scores = sequence_scores(self.engine, batch["input_ids"].to(self.engine.device),
-                                         batch["attention_mask"].to(self.engine.device)).float().cpu()
-                lengths = batch["attention_mask"].sum(-1)
-                b = scores.shape[0] // 2
-                rows += [(scores[k].item(), scores[b + k].item(), int(lengths[k]), int(lengths[b + k]))
-                         for k in range(b) if weights[k] > 0]
-        columns = list(zip(*dist.gather_lists(rows))) or [(), (), (), ()]
+        mine = score_pairs(functools.partial(sequence_scores, self.engine), eval_batches(eval_set, collate, batch_size),
+                           self.engine.device)
+        columns = list(zip(*dist.gather_lists(list(zip(*(t.tolist() for t in mine)))))) or [(), (), (), ()]
         c, r, c_len, r_len = (torch.tensor(col, dtype=torch.float64) for col in columns)
         return pair_metrics(c, r, c_len, r_len)
 

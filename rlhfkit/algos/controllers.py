@@ -62,7 +62,8 @@ class AdaptiveKLController:
 
 class RunningMoments:
     """Mean and (population) variance of every value seen so far, updated a batch at a time from the
-    batch's count, sum and sum of squares (so a batch may be spread over ranks: pass the global sums):
+    batch's sum, sum of squares and count (:func:`rlhfkit.algos.masked_moments`; a batch may be spread
+    over ranks: pass the global sums):
 
       delta = batch_mean - mean,  total = count + n
       mean += delta * n / total
@@ -75,7 +76,7 @@ class RunningMoments:
     def __init__(self, eps: float = 1e-8):
         self.count, self.mean, self.var, self.eps = 0.0, 0.0, 1.0, eps
 
-    def update(self, n: float, total: float, total_sq: float) -> None:
+    def update(self, total: float, total_sq: float, n: float) -> None:
         if n <= 0:
             return
         batch_mean = total / n

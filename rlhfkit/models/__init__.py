@@ -13,8 +13,8 @@ from rlhfkit.models.loading import (
 )
 from rlhfkit.models.lora import apply_lora, is_peft, param_groups
 from rlhfkit.models.scores import (
-    at_predicting_column, head_inputs_at_last_token, packed_pair_scores, packed_sequence_logprobs, pair_logprobs, response_labels, score_head,
-    sequence_logprobs, sequence_scores, token_values,
+    at_predicting_column, head_inputs_at_last_token, packed_pair_scores, packed_sequence_logprobs, pair_logprobs,
+    response_labels, score_head, sequence_logprobs, sequence_scores, token_values,
 )
 
 __all__ = [

@@ -34,29 +34,29 @@ def score_head(model: Any) -> torch.nn.Module:
     raise TypeError(f"{type(base).__name__} has no score head (expected a one-label AutoModelForSequenceClassification)")
 
 
-def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
+def _at_score_head(model: Any, read_input: bool = False, **inputs: torch.Tensor) -> torch.Tensor:
     """One forward pass through ``model`` (a DeepSpeed engine or a plain/peft module; gradients flow
-    when enabled) -> the score head's output at every position, [B, T] fp32."""
-    head = score_head(model)
+    when enabled) -> the score head's output at every position, [B, T, 1], or with ``read_input`` what
+    the head reads there (the final hidden states), [B, T, H]."""
     captured: list[torch.Tensor] = []
-    hook = head.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    hook = score_head(model).register_forward_hook(lambda _m, i, out: captured.append(i[0] if read_input else out))
     try:
         model(**inputs, use_cache=False)
     finally:
         hook.remove()
-    return captured[-1].squeeze(-1).float()
+    return captured[-1]
+
+
+def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
+    """The score head's output at every position, [B, T] fp32 (see :func:`_at_score_head`)."""
+    return _at_score_head(model, **inputs).squeeze(-1).float()
 
 
 def head_inputs_at_last_token(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """What the score head reads for each sequence: its input (the final hidden state) at the last real
     token, [B, H] fp32; the same forward as :func:`sequence_scores`."""
-    captured: list[torch.Tensor] = []
-    hook = score_head(model).register_forward_hook(lambda _m, inputs, _out: captured.append(inputs[0]))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False)
-    finally:
-        hook.remove()
-    hidden = captured[-1].float()  # [B, T, H]
+    hidden = _at_score_head(model, read_input=True, input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids(attention_mask)).float()  # [B, T, H]
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     return hidden[rows, last_real_token_index(attention_mask)]
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import RunningMoments, overlong_penalty
+from rlhfkit.algos import RunningMoments, masked_moments, overlong_penalty
 from rlhfkit.experience import Experience, actor_forward, critic_forward
 from rlhfkit.models import sequence_scores
 from rlhfkit.ppo.models import PPOModels
@@ -87,8 +87,7 @@ class ExperienceMaker:
         penalty added (--overlong_buffer_len)."""
         cfg, scores = self.cfg, raw.clone()
         if self.reward_norm is not None:
-            sums = dist.all_reduce_sum(torch.stack([torch.tensor(float(len(raw))), raw.sum().cpu(), raw.square().sum().cpu()]).double())
-            self.reward_norm.update(*sums.tolist())
+            self.reward_norm.update(*dist.all_reduce_sum(masked_moments(raw, torch.ones_like(raw))).tolist())
             scores = self.reward_norm.normalize(scores)
         if cfg.truncated_reward is not None:
             scores = torch.where(batch.truncated.to(self.device), torch.full_like(scores, cfg.truncated_reward), scores)

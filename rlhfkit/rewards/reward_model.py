@@ -37,17 +37,18 @@ def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: Optio
 
 @torch.no_grad()
 def score_pairs(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                batches: Iterable[tuple[dict, torch.Tensor]], device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                batches: Iterable[tuple[dict, torch.Tensor]], device: Any = "cpu") -> tuple[torch.Tensor, ...]:
     """Run ``score_fn(input_ids, attention_mask) -> [2B]`` over pair batches (``collate_pairs``
     layout: B chosen rows then B rejected rows) with 0/1 row weights; returns this process's
-    (chosen, rejected) scores of the weight-1 rows."""
-    chosen, rejected = [], []
+    (chosen, rejected) scores of the weight-1 rows and their (chosen, rejected) token counts."""
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
     for batch, weights in batches:
         scores = score_fn(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
+        lengths = batch["attention_mask"].sum(-1).cpu()
         b = scores.shape[0] // 2
         keep = weights.bool()
-        chosen.append(scores[:b][keep])
-        rejected.append(scores[b:][keep])
-    if not chosen:
-        return torch.zeros(0), torch.zeros(0)
-    return torch.cat(chosen), torch.cat(rejected)
+        for out, x in zip(parts, (scores[:b], scores[b:], lengths[:b], lengths[b:])):
+            out.append(x[keep])
+    if not parts[0]:
+        return torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return tuple(torch.cat(p) for p in parts)

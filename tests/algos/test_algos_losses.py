@@ -250,9 +250,9 @@ def test_running_moments_by_hand_and_against_all_values():
     from rlhfkit.algos import RunningMoments
 
     m = RunningMoments(eps=0.0)
-    m.update(2, 1.0 + 3.0, 1.0 + 9.0)  # values 1, 3: mean 2, population var 1
+    m.update(1.0 + 3.0, 1.0 + 9.0, 2)  # values 1, 3: mean 2, population var 1
     assert (m.count, m.mean, m.var) == (2, 2.0, 1.0)
-    m.update(1, 5.0, 25.0)  # values 1, 3, 5: mean 3, var (4 + 0 + 4) / 3
+    m.update(5.0, 25.0, 1)  # values 1, 3, 5: mean 3, var (4 + 0 + 4) / 3
     assert m.mean == pytest.approx(3.0) and m.var == pytest.approx(8 / 3)
     assert m.normalize(torch.tensor([3.0, 5.0])).tolist() == pytest.approx([0.0, 2 / (8 / 3) ** 0.5])
     # many uneven batches: the moments of all the values seen, as one batch would give them
@@ -260,13 +260,13 @@ def test_running_moments_by_hand_and_against_all_values():
     batches = [torch.randn(n, generator=g, dtype=torch.float64) * 3 + 1 for n in (5, 1, 17, 2, 9)]
     m = RunningMoments()
     for b in batches:
-        m.update(len(b), b.sum().item(), b.square().sum().item())
+        m.update(b.sum().item(), b.square().sum().item(), len(b))
     every = torch.cat(batches)
     assert m.mean == pytest.approx(every.mean().item()) and m.var == pytest.approx(every.var(unbiased=False).item())
     other = RunningMoments()
     other.load_state_dict(m.state_dict())
     assert other.state_dict() == m.state_dict()
-    m.update(0, 0.0, 0.0)  # an empty batch changes nothing
+    m.update(0.0, 0.0, 0)  # an empty batch changes nothing
     assert m.state_dict() == other.state_dict()
 
 
