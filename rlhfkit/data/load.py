@@ -6,7 +6,9 @@ For each source separately:
   3. convert the share's rows, skipping (and counting) those unusable for ``need``,
      or raising on the first one under ``strict``;
   4. cut the usable rows into train and eval.
-The sources' train lists are concatenated (blended), and so are their eval lists.
+The sources' train lists are concatenated (blended), and so are their eval lists. A row whose prompt an
+earlier source already holds (MGSM's English problems are GSM8K's first 250) is dropped from the later
+source before its split, and counted: no prompt is trained on from one file and held out from another.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SourceReport:
     share_rows: int = 0  # rows in this phase's share (= kept + skipped)
     train_rows: int = 0
     eval_rows: int = 0
+    duplicates: int = 0  # rows whose prompt an earlier source holds, dropped before the split
 
     def summary(self) -> str:
         line = (
@@ -52,6 +55,8 @@ class SourceReport:
             f"phase {self.phase} share {self.share_rows}, kept {self.kept} for {self.need} "
             f"(train {self.train_rows}, eval {self.eval_rows})"
         )
+        if self.duplicates:
+            line += f"; {self.duplicates} rows dropped before the split: their prompts are in an earlier --data_path"
         if not self.skipped:
             return line + ", none skipped"
         return f"{line}\n  {self.skips_text()}"
@@ -101,9 +106,10 @@ def load_phase_data(
     train: list[Example] = []
     evals: list[Example] = []
     reports: list[SourceReport] = []
+    seen: set[str] = set()  # prompt keys of the sources read so far
     for path in sources:
         t, e, report = _load_source(path, phase, need, data_split, fractions, seed,
-                                    eval_fraction, strict, max_eval)
+                                    eval_fraction, strict, max_eval, seen)
         train += t
         evals += e
         reports.append(report)
@@ -124,7 +130,7 @@ def prompt_key(fmt, raw, row: int):
         return row
 
 
-def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval):
+def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval, seen):
     raw = read_source(path)
     fmt = detect_format(raw)
     if _ORDER[fmt.provides] < _ORDER[need]:
@@ -133,8 +139,15 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             f"{STEP_NAMES[phase]} needs {_NEED_WORDS[need]}. Use this file for a step that needs "
             f"{_NEED_WORDS[fmt.provides]}, or pass another --data_path."
         )
-    groups = group_ids([prompt_key(fmt, raw, row) for row in range(len(raw.rows))])
-    share = phase_rows(len(raw.rows), fractions, phase, seed, groups)
+    keys = [prompt_key(fmt, raw, row) for row in range(len(raw.rows))]
+    rows = [row for row, key in enumerate(keys) if key not in seen]  # without prompts of earlier sources
+    seen.update(k for k in keys if isinstance(k, str))
+    if raw.rows and not rows:
+        raise DataError(f"{path}: every prompt of its {len(raw.rows)} rows is already in an earlier --data_path. "
+                        "Drop the duplicate file from --data_path.")
+    local_groups = group_ids([keys[row] for row in rows])
+    share = [rows[i] for i in phase_rows(len(rows), fractions, phase, seed, local_groups)]
+    groups = dict(zip(rows, local_groups))
     if not share:
         raise DataError(
             f"--data_split {data_split} leaves {STEP_NAMES[phase]} no rows of {path}: its share "
@@ -162,7 +175,7 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
     report = SourceReport(
         path=path, format=f"{fmt.name} ({raw.container})", sha256=raw.sha256, rows=len(raw.rows),
         kept=len(usable), skipped=dict(skipped), first_skips=first_skips, phase=phase, need=need,
-        share_rows=len(share),
+        share_rows=len(share), duplicates=len(raw.rows) - len(rows),
     )
     if not usable:
         raise DataError(

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlhfkit.data import cut_eval, load_phase_data, parse_data_split, phase_rows
+from rlhfkit.errors import DataError
 
 N = 50
 ROWS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}", "id": i} for i in range(N)]
@@ -171,3 +172,31 @@ def test_tsv_with_header_and_json_list_of_strings(tmp_path):
     train, _, [report] = load_phase_data(str(strings), 3, "prompts", data_split="0,0,1", eval_fraction=0)
     assert report.format == "strings (json)"
     assert sorted(e.prompt[0]["content"] for e in train) == ["first prompt", "second prompt"]
+
+
+def test_prompts_of_an_earlier_source_are_dropped_before_the_split(tmp_path, pairs_file):
+    """MGSM's English problems are GSM8K's first 250: a prompt in two --data_path files is read once, from the
+    first, so it can never be trained on from one file and held out from the other."""
+    later = [dict(r, chosen=f"other {r['id']}") for r in ROWS[:20]]  # 20 prompts of pairs_file, other answers
+    later += [{"prompt": f"new question {i}", "chosen": "a", "rejected": "b"} for i in range(30)]
+    path = tmp_path / "later.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in later))
+
+    train, evals, reports = load_phase_data([pairs_file, str(path)], 3, "prompts", data_split="0,0,1", eval_fraction=0.2)
+    first, second = reports
+    assert (first.duplicates, first.kept) == (0, 50)
+    assert (second.duplicates, second.share_rows, second.kept) == (20, 30, 30)
+    assert "20 rows dropped before the split" in second.summary()
+    prompts = [ex.prompt[-1]["content"] for ex in train + evals]
+    assert len(prompts) == len(set(prompts)) == 80
+    # the later source is split as if it held only its 30 new rows; the first source is unchanged
+    alone = tmp_path / "alone.jsonl"
+    alone.write_text("".join(json.dumps(r) + "\n" for r in later[20:]))
+    t2, e2, _ = load_phase_data(str(alone), 3, "prompts", data_split="0,0,1", eval_fraction=0.2)
+    assert [ex.prompt for ex in evals[-len(e2):]] == [ex.prompt for ex in e2]
+    assert load_phase_data(pairs_file, 3, "prompts", data_split="0,0,1", eval_fraction=0.2)[1] == evals[:len(evals) - len(e2)]
+
+
+def test_a_source_of_only_duplicate_prompts_is_an_error(pairs_file):
+    with pytest.raises(DataError, match="every prompt of its 50 rows is already in an earlier --data_path"):
+        load_phase_data([pairs_file, pairs_file], 3, "prompts")
