@@ -1,4 +1,4 @@
-"""`rlhfkit` command line: prepare-base, chat, score, eval, report, best-of-n.
+"""`rlhfkit` command line: prepare-base, chat, score, eval, report, best-of-n, make-arithmetic.
 
 Each command has an ``add_<name>_parser(sub)`` that declares its flags and sets ``func``; the
 command bodies import their modules lazily so ``rlhfkit --help`` stays fast. A new command is one
@@ -197,6 +197,30 @@ def add_best_of_n_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_best_of_n)
 
 
+# ----------------------------------------------------------------------------------------------
+# make-arithmetic
+
+
+def cmd_make_arithmetic(args: argparse.Namespace) -> None:
+    from rlhfkit.data.arithmetic import write_problems
+
+    path = write_problems(args.out, args.n, args.seed)
+    print(f"{args.n} problems (seed {args.seed}) written to {path}\n"
+          f"next: step3_ppo/main.py --algo grpo --reward_fn gsm8k --data_path {path} --data_split 0,0,1 ...")
+
+
+def add_make_arithmetic_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "make-arithmetic", help="write seeded arithmetic word problems (GSM8K rows) for a rule-rewarded run",
+        description="One- and two-operation word problems on small whole numbers, as GSM8K JSONL rows "
+                    "({question, answer ending in '#### n'}): the gsm8k reward grades them. The same --n and --seed "
+                    "give the same file.")
+    p.add_argument("--out", required=True, help="output .jsonl file")
+    p.add_argument("--n", type=int, default=2000, help="how many distinct problems")
+    p.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    p.set_defaults(func=cmd_make_arithmetic)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
@@ -204,6 +228,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_report_parser,
     add_eval_parser,
     add_best_of_n_parser,
+    add_make_arithmetic_parser,
 ]
 
 
