@@ -30,7 +30,7 @@ from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
 from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings, add_advantages, build_models, part_means  # noqa: E402
 from rlhfkit.ppo import step_metrics, train_on  # noqa: E402
-from rlhfkit.ppo.evaluate import PROMPT_REWARDS, paired_gain  # noqa: E402
+from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, paired_gain  # noqa: E402
 from rlhfkit.ppo.progress import Progress, kl_controller, update_kl_controller  # noqa: E402
 from rlhfkit.rewards import load_reward_fn  # noqa: E402
 from rlhfkit.rollout import check_backend  # noqa: E402
@@ -129,6 +129,10 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
             verdict = "above" if gain["ci_low"] > 0 else "below" if gain["ci_high"] < 0 else "no change from"
             lines["held-out gain"] = (f"{gain['mean']:+.4f}, 95% CI [{gain['ci_low']:+.4f}, {gain['ci_high']:+.4f}] paired over "
                                       f"{gain['n']} prompts: the actor is {verdict} the step-1 model")
+        for part in b.get(PROMPT_PARTS, {}):  # reward components (gsm8k: accuracy, format), each with its own change
+            g = paired_gain(b, a, part)
+            lines[f"held-out {part}"] = (f"{b[part]:.3f} -> {a[part]:.3f}, change {g['mean']:+.3f}, 95% CI "
+                                         f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] paired over {g['n']} prompts")
         lines["held-out length"] = (f"{b['response_len']:.1f} -> {a['response_len']:.1f} tokens per response, truncated "
                                     f"{b['truncated_rate']:.0%} -> {a['truncated_rate']:.0%}")
         lines["KL to step-1 model"] = f"{a['kl_per_token']:.4f} nats per token (k3), {a['kl_per_seq']:.3f} per sequence"
@@ -141,7 +145,7 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
 def evaluate_at(step: int, evaluate: HeldOutEval, progress: Progress, logger: MetricsLogger, write=None) -> None:
     """The held-out evaluation at ``step``: kept in ``progress.evals`` and logged under eval/."""
     progress.evals.append({"step": step, **evaluate()})
-    logger.log(step, {f"eval/{k}": v for k, v in progress.evals[-1].items() if k not in ("step", PROMPT_REWARDS)}, write=write)
+    logger.log(step, {f"eval/{k}": v for k, v in progress.evals[-1].items() if k not in ("step", PROMPT_REWARDS, PROMPT_PARTS)}, write=write)
 
 
 def final_metrics(progress: Progress, total_steps: int, seconds: float, fingerprints: dict) -> dict:
@@ -153,7 +157,17 @@ def final_metrics(progress: Progress, total_steps: int, seconds: float, fingerpr
                 "eval_reward_gain": gain["mean"], "eval_reward_gain_ci": [gain["ci_low"], gain["ci_high"]],
                 "eval_prompts": evals[-1]["prompts"], "eval_kl_per_token_after": evals[-1]["kl_per_token"],
                 "eval_response_len_before": evals[0]["response_len"], "eval_response_len_after": evals[-1]["response_len"],
-                "eval_kl_per_seq_after": evals[-1]["kl_per_seq"]} if evals else {})}
+                "eval_kl_per_seq_after": evals[-1]["kl_per_seq"], **part_metrics(evals[0], evals[-1])} if evals else {})}
+
+
+def part_metrics(before: dict, after: dict) -> dict:
+    """Each reward component's held-out mean before and after, and its paired change with the 95% interval."""
+    out = {}
+    for part in before.get(PROMPT_PARTS, {}):
+        g = paired_gain(before, after, part)
+        out.update({f"eval_{part}_before": before[part], f"eval_{part}_after": after[part],
+                    f"eval_{part}_change": g["mean"], f"eval_{part}_change_ci": [g["ci_low"], g["ci_high"]]})
+    return out
 
 
 def main() -> None:

@@ -149,6 +149,13 @@ def test_critic_free_algorithms(tiny_dir, reward_dir, data, tmp_path, algo):
     # the gsm8k reward's parts are reported per step (over every sample generated) and at evaluation
     assert 0.0 <= step["reward/gsm8k_accuracy"] <= 1.0 and 0.0 <= step["reward/gsm8k_format"] <= 1.0
     assert "eval/gsm8k_accuracy" in rows[0] and "eval/gsm8k_format" in rows[0]
+    if algo == "grpo":  # each part's held-out change, paired by prompt, in the manifest and the summary
+        m = json.loads((out / "actor" / "rlhfkit.json").read_text())["metrics"]
+        evals = [r for r in rows if "eval/gsm8k_format" in r]
+        for part in ("gsm8k_accuracy", "gsm8k_format"):
+            assert (m[f"eval_{part}_before"], m[f"eval_{part}_after"]) == (evals[0][f"eval/{part}"], evals[-1][f"eval/{part}"])
+            assert m[f"eval_{part}_change"] == pytest.approx(m[f"eval_{part}_after"] - m[f"eval_{part}_before"], abs=1e-9)
+            assert f"held-out {part}" in proc.stdout
     assert (out / "actor" / "rlhfkit.json").exists() and not (out / "critic").exists()  # no critic built
     assert weights_changed(tiny_dir, out / "actor")  # the actor trained
 

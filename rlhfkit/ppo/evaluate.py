@@ -28,16 +28,22 @@ from rlhfkit.program import peak_rss_gb
 SUMS = ("reward", "prompt_reward", "prompt_reward_sq", "prompts", "samples", "kl_k3", "kl_k1", "tokens", "truncated")
 
 
-# The evaluation's per-prompt mean rewards, in prompt order: kept for paired comparisons, not logged as a metric.
+# The evaluation's per-prompt mean rewards, in prompt order, and {reward part: per-prompt means} (gsm8k: accuracy,
+# format): kept for paired comparisons, not logged as metrics.
 PROMPT_REWARDS = "prompt_rewards"
+PROMPT_PARTS = "prompt_parts"
 
 
-def paired_gain(before: dict, after: dict) -> dict:
-    """The held-out reward gain of ``after`` over ``before`` (two evaluations of the same prompts), paired by
-    prompt: the mean of the per-prompt differences with its 95% t interval (``rlhfkit.eval_stats.mean_ci``)."""
+def paired_gain(before: dict, after: dict, part: str | None = None) -> dict:
+    """The held-out gain of ``after`` over ``before`` (two evaluations of the same prompts) in the reward, or in
+    the reward component ``part``, paired by prompt: the mean of the per-prompt differences with its 95% t
+    interval (``rlhfkit.eval_stats.mean_ci``)."""
     from rlhfkit.eval_stats import mean_ci
 
-    a, b = after.get(PROMPT_REWARDS, []), before.get(PROMPT_REWARDS, [])
+    def per_prompt(ev: dict) -> list:
+        return ev.get(PROMPT_REWARDS, []) if part is None else ev.get(PROMPT_PARTS, {}).get(part, [])
+
+    a, b = per_prompt(after), per_prompt(before)
     return mean_ci([x - y for x, y in zip(a, b)] if len(a) == len(b) else [])
 
 
@@ -74,14 +80,23 @@ class HeldOutEval:
         collate = functools.partial(collate_prompts, pad_token_id=self.maker.pad)
         with self.own_random_state():
             for batch, weights in eval_batches(self.features, collate, self.batch_size):
+                start = {k: len(v) for k, v in parts.items()}
                 exp, _, _ = self.maker.make(batch, self.rows, parts, training=False)
                 sample_weights.append(weights.repeat_interleave(self.samples))
                 sums += batch_sums(exp, weights.double(), self.samples)
-                means = exp.raw_scores.double().view(-1, self.samples).mean(1).tolist()
-                by_prompt += [(i, m) for i, m, w in zip(batch["index"].tolist(), means, weights.tolist()) if w > 0]
+                means = {k: self.prompt_means(v[start.get(k, 0):]) for k, v in parts.items()}
+                means[PROMPT_REWARDS] = self.prompt_means(exp.raw_scores)
+                by_prompt += [(i, {k: m[j] for k, m in means.items()})
+                              for j, (i, w) in enumerate(zip(batch["index"].tolist(), weights.tolist())) if w > 0]
+        ordered = [m for _, m in sorted(dist.gather_lists(by_prompt), key=lambda x: x[0])]
         return {**eval_metrics(dist.all_reduce_sum(sums)),
                 **part_means(parts, torch.cat(sample_weights) if sample_weights else None),
-                PROMPT_REWARDS: [m for _, m in sorted(dist.gather_lists(by_prompt))]}
+                PROMPT_REWARDS: [m[PROMPT_REWARDS] for m in ordered],
+                PROMPT_PARTS: {k: [m[k] for m in ordered] for k in sorted(parts)}}
+
+    def prompt_means(self, values: Any) -> list[float]:
+        """Per prompt, the mean of its ``samples`` consecutive per-sample values."""
+        return torch.as_tensor(values, dtype=torch.float64).view(-1, self.samples).mean(1).tolist()
 
     @contextlib.contextmanager
     def own_random_state(self) -> Iterator[None]:

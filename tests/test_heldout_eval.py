@@ -1,0 +1,54 @@
+"""Step 3's held-out evaluation keeps, per prompt, the mean reward and the mean of each reward component (gsm8k:
+accuracy, format), in prompt order, so that before/after changes are paired by prompt. A fake experience maker
+gives known values; the expected ones are computed by hand."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, HeldOutEval, paired_gain
+
+
+class FakeMaker:
+    """Two samples per prompt; sample s of prompt i is 'correct' when (i + s + shift) % 3 == 0 and scores 2 then."""
+
+    def __init__(self, shift: int = 0):
+        self.cfg = SimpleNamespace(eval_n_samples_per_prompt=2, n_samples_per_prompt=2, per_device_eval_batch_size=2, seed=0)
+        self.eval_samples, self.pad, self.device, self.shift = 2, 0, "cpu", shift
+        self.models = SimpleNamespace(actor=torch.nn.Identity())
+
+    def make(self, batch, rows, parts, training):
+        correct = [float((i + s + self.shift) % 3 == 0) for i in batch["index"].tolist() for s in range(2)]
+        parts.setdefault("acc", []).extend(correct)
+        n = len(correct)
+        exp = SimpleNamespace(raw_scores=2 * torch.tensor(correct), old_logprobs=torch.zeros(n, 1),
+                              ref_logprobs=torch.zeros(n, 1), action_mask=torch.ones(n, 1), truncated=torch.zeros(n))
+        return exp, None, None
+
+
+def evaluate(shift: int) -> dict:
+    features = [{"prompt_ids": [1, 2], "index": i} for i in (3, 0, 4, 1, 2)]  # not in index order; 5 = 2 + 2 + 1 (+1 pad)
+    return HeldOutEval(FakeMaker(shift), features, rows=[{}] * 5, batch_size=2)()
+
+
+def test_per_prompt_means_in_prompt_order_without_the_padding_row():
+    ev = evaluate(shift=0)
+    # prompt i: samples (i, i + 1); correct where divisible by 3 -> i=0: (1, 0), 1: (0, 0), 2: (0, 1), 3: (1, 0), 4: (0, 0)
+    assert ev[PROMPT_PARTS] == {"acc": [0.5, 0.0, 0.5, 0.5, 0.0]}
+    assert ev[PROMPT_REWARDS] == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert ev["acc"] == pytest.approx(3 / 10) and ev["reward"] == pytest.approx(6 / 10)
+    assert (ev["prompts"], ev["samples"]) == (5, 10)
+
+
+def test_paired_change_of_a_reward_part():
+    before, after = evaluate(shift=0), evaluate(shift=1)
+    # shift 1: i=0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (0, 0), 4: (0, 1) -> [0, .5, .5, 0, .5]
+    assert after[PROMPT_PARTS]["acc"] == [0.0, 0.5, 0.5, 0.0, 0.5]
+    g = paired_gain(before, after, "acc")
+    diffs = [-0.5, 0.5, 0.0, -0.5, 0.5]  # mean 0; sample variance: sum of squares 1.0 / (n - 1) = 0.25
+    half = 2.7764451051977987 * (0.25 ** 0.5) / 5 ** 0.5  # t(0.975, 4) * s / sqrt(n)
+    assert g["n"] == 5 and g["mean"] == pytest.approx(sum(diffs) / 5)
+    assert (g["ci_low"], g["ci_high"]) == (pytest.approx(-half), pytest.approx(half))
+    assert paired_gain(before, after)["mean"] == pytest.approx(0.0)  # the reward: 2 x acc
+    assert paired_gain(before, after, "missing")["n"] == 0
