@@ -62,7 +62,7 @@ def launch_env(tmp_path):
 def commands(stdout: str) -> list[list[str]]:
     """The command lines the launchers printed, each split into words."""
     return [shlex.split(line[len("[launch] "):]) for line in stdout.splitlines()
-            if line.startswith("[launch] ") and ("/main.py" in line or " prepare-base " in line)]
+            if line.startswith("[launch] ") and any(w in line for w in ("/main.py", " prepare-base ", " make-arithmetic "))]
 
 
 def one_stage(stdout: str) -> list[str]:
@@ -272,6 +272,26 @@ def test_pipeline_presets_and_errors(launch_env, tmp_path):
     assert proc.returncode == 2 and "tiny, small or full" in proc.stderr
     proc = launch_env("launch/pipeline.sh", "--bogus", "1", "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode == 2 and "unknown argument" in proc.stderr
+
+
+def test_rule_rewards_tasks(launch_env, tmp_path):
+    flag = lambda cmd, f: cmd[cmd.index(f) + 1]  # noqa: E731
+    out = launch_env("launch/rule_rewards.sh", "--out", str(tmp_path / "g"), "--step3_args", "--seed 7").stdout
+    base, grpo = commands(out)
+    assert base[1:] == ["prepare-base", "--out", str(tmp_path / "g" / "base")]
+    assert flag(grpo, "--algo") == "grpo" and flag(grpo, "--reward_fn") == "gsm8k"
+    assert flag(grpo, "--data_path").endswith("shared/data/gsm8k/test_first1000.jsonl")
+    assert flag(grpo, "--actor_model_name_or_path") == str(tmp_path / "g" / "base") and "--critic_model_name_or_path" not in grpo
+    assert [flag(grpo, f) for f in ("--max_steps", "--max_answer_seq_len", "--max_eval_samples", "--seed")] == ["28", "256", "128", "7"]
+    out = launch_env("launch/rule_rewards.sh", "--task", "arithmetic", "--out", str(tmp_path / "a"), "--model", "m",
+                     "--steps", "3").stdout
+    make, grpo = commands(out)
+    data = str(tmp_path / "a" / "data" / "arithmetic.jsonl")
+    assert make[1:] == ["make-arithmetic", "--out", data, "--n", "2000", "--seed", "0"]
+    assert flag(grpo, "--data_path") == data and flag(grpo, "--actor_model_name_or_path") == "m"
+    assert flag(grpo, "--max_steps") == "3" and flag(grpo, "--max_answer_seq_len") == "128"
+    proc = launch_env("launch/rule_rewards.sh", "--task", "chess", "--out", str(tmp_path / "c"), check=False)
+    assert proc.returncode == 2 and "use gsm8k or arithmetic" in proc.stderr
 
 
 def test_topology_examples(launch_env, tmp_path):

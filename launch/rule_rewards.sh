@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# A rule-rewarded run: GRPO from the base model with the gsm8k reward (exact final answer, plus a
+# bonus for stating it as "#### n"), judged on held-out problems before and after: accuracy and
+# format rate, each with its paired 95% CI (step 3's summary, and actor/rlhfkit.json).
+#
+#   launch/rule_rewards.sh [--task gsm8k|arithmetic] [--out RUN_DIR] [--model BASE_DIR]
+#                          [--steps N] [--step3_args "..."]
+#
+# --task   gsm8k (default): ../shared/data/gsm8k/test_first1000.jsonl (mgsm/mgsm_en.tsv adds
+#          nothing: its 250 problems are GSM8K's first 250; given both, they are read once);
+#          arithmetic: `rlhfkit make-arithmetic` problems (seeded, one or two operations)
+# --out    run directory (default: <repo>/runs/rules-TASK): base/, data/, grpo/
+# --model  start from this checkpoint instead of `rlhfkit prepare-base`
+# --steps  GRPO steps (default: the task's preset below)
+# --step3_args  extra step3_ppo/main.py flags, word-split; they come last and win
+# Launcher settings (NUM_GPUS, HOSTFILE, NO_SSH, MASTER_PORT, DRY_RUN, ...): see launch/common.sh.
+
+# ---- task presets: tune here --------------------------------------------------------------------
+# 2 ranks x 2 prompts x 8 samples a step; 128 held-out problems x 2 samples, before and after.
+preset() {
+  case "$1" in
+    gsm8k)
+      DATA=("$(realpath -m "$REPO/../shared/data/gsm8k/test_first1000.jsonl")")
+      PRESET_STEPS=28  ANSWER_SEQ=256  LR=1e-5 ;;
+    arithmetic)
+      DATA=("$RUN/data/arithmetic.jsonl")
+      PRESET_STEPS=40  ANSWER_SEQ=128  LR=1e-5 ;;
+    *) rk_die "--task $1: use gsm8k or arithmetic" ;;
+  esac
+}
+# -------------------------------------------------------------------------------------------------
+
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+rk_option task gsm8k
+rk_option out ""
+rk_option model ""
+rk_option steps ""
+rk_option step3_args ""
+rk_parse "$@"
+[ ${#RK_PASSTHROUGH[@]} -eq 0 ] || rk_die "unknown argument(s): ${RK_PASSTHROUGH[*]} (use --step3_args for program flags)"
+RUN=${OUT:-$REPO/runs/rules-$TASK}
+mkdir -p "$RUN"
+RUN=$(cd "$RUN" && pwd)
+preset "$TASK"
+STEPS=${STEPS:-$PRESET_STEPS}
+read -r -a STEP3_EXTRA <<<"$STEP3_ARGS"
+rk_log "rule-rewarded run: task=$TASK run=$RUN"
+
+if [ -z "$MODEL" ]; then
+  MODEL=$RUN/base
+  rk_prepare_base "$MODEL"
+fi
+if [ "$TASK" = arithmetic ] && [ ! -f "${DATA[0]}" ]; then
+  rk_exec "$RK_RLHFKIT" make-arithmetic --out "${DATA[0]}" --n 2000 --seed 0
+fi
+
+run_stage step3_ppo/main.py \
+  --algo grpo --actor_model_name_or_path "$MODEL" --data_path "${DATA[@]}" --data_split 0,0,1 \
+  --output_dir "$RUN/grpo" --actor_zero_stage 3 --dtype bf16 \
+  --reward_fn gsm8k --format_bonus 0.5 \
+  --prompt_suffix "Let's think step by step and output the final answer after \"####\"." \
+  --n_samples_per_prompt 8 --per_device_generation_batch_size 2 --per_device_training_batch_size 16 \
+  --max_answer_seq_len "$ANSWER_SEQ" --actor_learning_rate "$LR" --kl_ctl 0.04 --max_steps "$STEPS" \
+  --eval_fraction 0.2 --max_eval_samples 128 --eval_n_samples_per_prompt 2 \
+  "${STEP3_EXTRA[@]}"
+rk_log "done: actor = $RUN/grpo/actor; held-out accuracy and format before/after: the summary above, $RUN/grpo/actor/rlhfkit.json"
