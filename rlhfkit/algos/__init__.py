@@ -5,7 +5,7 @@ Shapes: B batch, T full sequence, A response (action) tokens; ``mask`` [B, A] is
 response up to and including EOS, 0 after.
 """
 
-from .advantages import gae_advantages, group_advantages, overlong_penalty, reinforce_pp_returns
+from .advantages import REWARD_SCALES, gae_advantages, group_advantages, overlong_penalty, reinforce_pp_returns
 from .controllers import AdaptiveKLController, FixedKLController, RunningMoments, ema_update_
 from .kl import kl_estimate, kl_penalized_rewards
 from .losses import (
@@ -13,6 +13,7 @@ from .losses import (
     aggregate_loss,
     clipped_value_loss,
     dpo_loss,
+    gspo_policy_loss,
     kl_loss,
     pairwise_loss,
     ppo_policy_loss,
@@ -53,10 +54,12 @@ __all__ = [
     "group_advantages",
     "reinforce_pp_returns",
     "overlong_penalty",
+    "REWARD_SCALES",
     # losses
     "IGNORE_INDEX",
     "aggregate_loss",
     "ppo_policy_loss",
+    "gspo_policy_loss",
     "clipped_value_loss",
     "kl_loss",
     "pairwise_loss",

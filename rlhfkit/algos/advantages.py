@@ -12,7 +12,9 @@ import torch
 
 from .stats import _keep
 
-__all__ = ["gae_advantages", "group_advantages", "reinforce_pp_returns", "overlong_penalty"]
+__all__ = ["gae_advantages", "group_advantages", "reinforce_pp_returns", "overlong_penalty", "REWARD_SCALES"]
+
+REWARD_SCALES = ("group", "batch", "none")  # what divides GRPO's group-centred rewards
 
 
 @torch.no_grad()
@@ -56,15 +58,19 @@ def group_advantages(
     group_size: int,
     method: str = "grpo",
     eps: float = 1e-6,
-    normalize_std: bool = True,
+    scale: str = "group",
+    batch_std=None,
 ) -> torch.Tensor:
     """Outcome advantages from a group baseline: scores [N] -> [N] fp32, N = n_groups * G.
 
     Each group's G samples are contiguous in ``scores``.
-      grpo: A_i = (r_i - mean_g) / (std_g + eps), std_g the UNBIASED std (torch.std), as verl
-            ``compute_grpo_outcome_advantage`` and TRL ``GRPOTrainer`` (Shao et al. 2024,
-            DeepSeekMath); ``normalize_std=False`` gives A_i = r_i - mean_g (Dr. GRPO, Liu et al.
-            2025).
+      grpo: A_i = (r_i - mean_g) / (std + eps), where ``scale`` says which std (TRL ``scale_rewards``):
+            group: std_g, the UNBIASED std of the group (torch.std), as verl
+                   ``compute_grpo_outcome_advantage`` and TRL ``GRPOTrainer`` (Shao et al. 2024, DeepSeekMath);
+            batch: ``batch_std``, the caller's unbiased std of the rewards of the whole global batch
+                   (TRL ``scale_rewards="batch"``; Hu et al. 2025 argue it is more robust than the group's);
+            none:  no division, A_i = r_i - mean_g (Dr. GRPO, Liu et al. 2025: dividing by the group's std
+                   weights nearly-solved and nearly-failed prompts up).
       rloo: A_i = r_i - (sum_g - r_i) / (G - 1), the leave-one-out baseline (Ahmadian et al.
             2024; Kool et al. 2019).
     A group whose scores are all equal gets exactly 0 (not nan, not rounding noise).
@@ -79,8 +85,14 @@ def group_advantages(
     flat_group = (s.amax(dim=1, keepdim=True) == s.amin(dim=1, keepdim=True))
     if method == "grpo":
         adv = s - s.mean(dim=1, keepdim=True)
-        if normalize_std:
+        if scale == "group":
             adv = adv / (s.std(dim=1, keepdim=True) + eps)
+        elif scale == "batch":
+            if batch_std is None:
+                raise ValueError("scale='batch' needs batch_std, the std of the global batch's rewards")
+            adv = adv / (torch.as_tensor(batch_std, dtype=adv.dtype, device=adv.device) + eps)
+        elif scale != "none":
+            raise ValueError(f"unknown scale {scale!r}; expected one of {REWARD_SCALES}")
     elif method == "rloo":
         baseline = (s.sum(dim=1, keepdim=True) - s) / (group_size - 1)
         adv = s - baseline

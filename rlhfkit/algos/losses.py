@@ -22,6 +22,7 @@ __all__ = [
     "IGNORE_INDEX",
     "aggregate_loss",
     "ppo_policy_loss",
+    "gspo_policy_loss",
     "clipped_value_loss",
     "kl_loss",
     "pairwise_loss",
@@ -31,7 +32,7 @@ __all__ = [
 
 IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding): torch's cross-entropy default
 
-LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
 def aggregate_loss(
@@ -40,15 +41,24 @@ def aggregate_loss(
     loss_agg: str = "token_mean",
     num_tokens=None,
     num_seqs=None,
+    norm_constant=None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [B, A] to a scalar. THE one aggregation function (verl ``agg_loss``).
 
-      token_mean           = sum_{i,t} l_it m_it / num_tokens              (DAPO token-level)
-      seq_mean_token_mean  = sum_i (sum_t l_it m_it / len_i) / num_seqs    (original GRPO)
-      seq_mean_token_sum   = sum_i sum_t l_it m_it / num_seqs              (Dr. GRPO-like)
+      token_mean              = sum_{i,t} l_it m_it / num_tokens              (DAPO token-level)
+      seq_mean_token_mean     = sum_i (sum_t l_it m_it / len_i) / num_seqs    (original GRPO)
+      seq_mean_token_sum      = sum_i sum_t l_it m_it / num_seqs
+      seq_mean_token_sum_norm = sum_i sum_t l_it m_it / (num_seqs * C)        (Dr. GRPO, TRL ``dr_grpo``)
     len_i = sum_t m_it (a row with len_i = 0 contributes 0). Defaults: num_tokens = sum(m) of this
     batch (at least 1), num_seqs = B. Across W data-parallel ranks pass global count / W (see the
     module docstring); then mean over ranks == the global-batch loss.
+
+    ``norm_constant`` C (required by seq_mean_token_sum_norm): a constant, the same at every step, usually
+    the maximum response length (Liu et al. 2025, "Understanding R1-Zero-Like Training"). Then no sample's
+    weight depends on its own length or on the batch's (GRPO's 1/len_i favours long wrong answers). It is
+    seq_mean_token_sum scaled by 1/C, which keeps the loss on a per-token scale. verl's
+    ``seq-mean-token-sum-norm`` divides by C alone, without the number of sequences, so its loss grows with
+    the batch; TRL's divides by both, as here.
     """
     keep = _keep(mask)
     if loss_agg == "token_mean":
@@ -62,6 +72,10 @@ def aggregate_loss(
         return per_seq.sum() / num_seqs
     if loss_agg == "seq_mean_token_sum":
         return masked_sum(loss_mat, keep) / num_seqs
+    if loss_agg == "seq_mean_token_sum_norm":
+        if norm_constant is None or norm_constant <= 0:
+            raise ValueError(f"seq_mean_token_sum_norm needs a positive norm_constant, got {norm_constant!r}")
+        return masked_sum(loss_mat, keep) / (num_seqs * norm_constant)
     raise ValueError(f"unknown loss_agg {loss_agg!r}; expected one of {LOSS_AGG_MODES}")
 
 
@@ -75,6 +89,7 @@ def ppo_policy_loss(
     loss_agg: str = "token_mean",
     num_tokens=None,
     num_seqs=None,
+    norm_constant=None,
 ):
     """PPO-clip actor loss -> (loss, stats).
 
@@ -99,13 +114,76 @@ def ppo_policy_loss(
     loss_unclipped = -adv * ratio
     loss_clipped = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    loss = aggregate_loss(loss_mat, keep, loss_agg, num_tokens, num_seqs)
+    loss = aggregate_loss(loss_mat, keep, loss_agg, num_tokens, num_seqs, norm_constant)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), keep),
             "approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs, "k3"), keep),
             "ratio_mean": masked_mean(ratio, keep),
         }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+GSPO_VARIANTS = ("seq", "token")
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    variant: str = "seq",
+    num_seqs=None,
+):
+    """GSPO actor loss (Zheng et al. 2025, "Group Sequence Policy Optimization") -> (loss, stats).
+
+    logprobs (with grad), old_logprobs, mask: [B, A]; advantages [B] or [B, A]. Per sequence i, over its
+    masked-in tokens (len_i of them):
+      s_i = exp(mean_t (logp_it - logp_old_it))              the length-normalised sequence ratio
+      seq:   l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i),  A_i the sequence's advantage
+             (with [B, A] advantages: their mean over the sequence's tokens)
+      token: s_it = sg[s_i] * pi_t / sg[pi_t]  (= s_i in value; its gradient is s_i * grad logp_it)
+             l_i = mean_t -min(s_it A_it, clip(s_it, ...) A_it)
+      loss = sum_i l_i / num_seqs                              (the paper's 1/G sum over i)
+    The clip ranges are a sequence ratio's: small (the paper: 3e-4 / 4e-4). With one update per rollout
+    s_i = 1 and the gradient is GRPO's with seq_mean_token_mean. With equal advantages over a sequence's
+    tokens the token variant equals seq in value and gradient. ``num_seqs`` defaults to B; across ranks pass
+    the global count / W (module docstring). A sequence without masked-in tokens contributes 0.
+    stats: clip_frac (the fraction of sequences, seq, or of tokens, token, whose clipped branch is chosen),
+    approx_kl (k3 of the old policy to the new, per token), ratio_mean (mean s_i).
+    """
+    if variant not in GSPO_VARIANTS:
+        raise ValueError(f"unknown GSPO variant {variant!r}; expected one of {GSPO_VARIANTS}")
+    keep = _keep(mask)
+    lengths = keep.sum(dim=-1)
+    has_tokens = lengths > 0
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    seq_log_ratio = masked_sum(log_ratio, keep, dim=-1) / lengths.clamp_min(1)
+    seq_ratio = torch.exp(seq_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))  # s_i [B]
+    adv = advantages.detach().float()
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    if variant == "seq":
+        seq_adv = adv if adv.dim() == 1 else masked_sum(adv, keep, dim=-1) / lengths.clamp_min(1)
+        unclipped, clipped = -seq_adv * seq_ratio, -seq_adv * seq_ratio.clamp(low, high)
+        per_seq = torch.where(has_tokens, torch.maximum(unclipped, clipped), torch.zeros_like(seq_ratio))
+        clip_frac = ((clipped > unclipped) & has_tokens).float().sum() / has_tokens.float().sum().clamp_min(1)
+    else:
+        if adv.dim() == 1:
+            adv = adv[:, None].expand_as(logprobs)
+        token_ratio = seq_ratio.detach()[:, None] * torch.exp(logprobs - logprobs.detach())  # s_it
+        unclipped, clipped = -adv * token_ratio, -adv * token_ratio.clamp(low, high)
+        per_seq = masked_sum(torch.maximum(unclipped, clipped), keep, dim=-1) / lengths.clamp_min(1)
+        clip_frac = masked_mean((clipped > unclipped).float(), keep)
+    if num_seqs is None:
+        num_seqs = logprobs.shape[0]
+    loss = per_seq.sum() / num_seqs
+    with torch.no_grad():
+        n = has_tokens.float().sum().clamp_min(1)
+        stats = {"clip_frac": clip_frac,
+                 "approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs, "k3"), keep),
+                 "ratio_mean": (seq_ratio * has_tokens).sum() / n}
     return loss, {k: v.detach() for k, v in stats.items()}
 
 

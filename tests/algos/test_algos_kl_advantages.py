@@ -200,7 +200,7 @@ def test_grpo_by_hand_with_zero_std_group():
     assert torch.allclose(adv[:4], (scores[:4] - mean) / (scores[:4].std() + 1e-6))
     assert torch.equal(adv[4:], torch.zeros(4))  # zero-std group: exactly 0, no nan
     # Dr. GRPO: no std normalisation
-    assert torch.allclose(group_advantages(scores, 4, "grpo", normalize_std=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert torch.allclose(group_advantages(scores, 4, "grpo", scale="none")[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
 def test_rloo_by_hand():
