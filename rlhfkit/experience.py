@@ -177,8 +177,10 @@ def packs_groups(model: Any, prompt_len: int, response_len: int, group_size: int
 
 def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
                   temperature: float = 1.0, with_entropy: bool = False,
-                  group_size: int = 1) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Logprobs of the response tokens under ``model`` ([B, A]) and optionally their entropy ([B, A]).
+                  group_size: int = 1, entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Logprobs of the response tokens under ``model`` ([B, A]) and optionally their entropy ([B, A]),
+    differentiable only with ``entropy_grad`` (an entropy term in the loss): otherwise its softmax over the
+    vocabulary is not kept for the backward pass.
 
     Only the logits that predict response tokens are computed (``logits_to_keep``), divided by the
     sampling temperature so that the logprobs are those of the distribution that was sampled. With
@@ -200,7 +202,10 @@ def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Ten
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, sequences[:, prompt_len:])
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs, entropy
 
 

@@ -24,9 +24,13 @@ from typing import Callable, Optional
 import torch
 
 from rlhfkit.algos import (
-    gae_advantages, group_advantages, kl_estimate, kl_penalized_rewards, masked_moments, masked_sum, masked_whiten,
-    mean_var_from_moments, reinforce_pp_returns,
+    gae_advantages, group_advantages, gspo_policy_loss, kl_estimate, kl_penalized_rewards, masked_moments, masked_sum,
+    masked_whiten, mean_var_from_moments, ppo_policy_loss, reinforce_pp_returns,
 )
+
+# --policy_loss: ppo (token ratios) or GSPO's sequence ratio (Zheng et al. 2025), whole-sequence or per-token advantages.
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
+GSPO_CLIP_EPS = (3e-4, 4e-4)  # the GSPO paper's clip range of the sequence ratio (low, high)
 
 
 def identity(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +54,7 @@ class AdvantageInputs:
     lam: float  # GAE lambda
     group_size: int  # G samples per prompt, contiguous
     whiten_advantages: bool  # whiten over the whole global batch
+    scale_rewards: str  # group-relative advantages: divide by the group's std, the global batch's, or nothing
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]  # sum over ranks (identity on one rank)
 
 
@@ -90,6 +95,8 @@ class AlgoSpec:
     clip_eps: Optional[tuple[float, float]] = None  # the algorithm's (low, high) clip range; None: --cliprange both sides
     whiten_advantages: bool = False  # default --whiten_advantages
     kl_estimator: str = "k1"  # default --kl_estimator: k1 in the reward; k3 in the loss (k1's gradient is 0 on-policy)
+    scale_rewards: str = "group"  # default --scale_rewards (group-relative advantages)
+    loss_agg: str = "token_mean"  # default --loss_agg
     source: str = ""  # the paper
 
     def __post_init__(self) -> None:
@@ -131,6 +138,14 @@ def reinforce_pp(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
     return Advantages(rewards, advantages, returns, x.kl)
 
 
+def batch_reward_std(seq_scores: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The unbiased std of the sequence rewards of the whole global batch (all ranks)."""
+    x = seq_scores.double()
+    n, total, total_sq = all_reduce_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+                                                     x.sum(), x.square().sum()])).tolist()
+    return torch.tensor(max(total_sq - total * total / n, 0.0) / max(n - 1, 1)).sqrt().float()
+
+
 def _group_relative(method: str, spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
     """One advantage per sample from its group's baseline, on every token of it."""
     seq_scores = x.scores.float()
@@ -138,7 +153,9 @@ def _group_relative(method: str, spec: AlgoSpec, x: AdvantageInputs) -> Advantag
         seq_scores = seq_scores - x.kl_coef * masked_sum(x.kl, x.mask, dim=-1)
     if x.clip_reward_value is not None:
         seq_scores = seq_scores.clamp(-x.clip_reward_value, x.clip_reward_value)
-    advantages = group_advantages(seq_scores, x.group_size, method=method)[:, None] * x.mask
+    batch_std = batch_reward_std(seq_scores, x.all_reduce_sum) if x.scale_rewards == "batch" else None
+    advantages = group_advantages(seq_scores, x.group_size, method=method, scale=x.scale_rewards,
+                                  batch_std=batch_std)[:, None] * x.mask
     if x.whiten_advantages:
         advantages = whiten_global(advantages, x.mask, x.all_reduce_sum)
     return Advantages(_last_token_rewards(seq_scores, x.mask), advantages, advantages.clone(), x.kl)
@@ -161,6 +178,8 @@ ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
              source="Ouyang et al. 2022; Ziegler et al. 2019"),
     AlgoSpec(name="grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, kl_estimator="k3",
              source="Shao et al. 2024 (DeepSeekMath)"),
+    AlgoSpec(name="dr_grpo", advantage="grpo", kl_in_loss=True, needs_groups=True, kl_estimator="k3", scale_rewards="none",
+             loss_agg="seq_mean_token_sum_norm", source="Liu et al. 2025 (Dr. GRPO, Understanding R1-Zero-Like Training)"),
     AlgoSpec(name="dapo", advantage="grpo", needs_groups=True, clip_eps=(0.2, 0.28), source="Yu et al. 2025 (DAPO)"),
     AlgoSpec(name="rloo", advantage="rloo", kl_in_reward=True, needs_groups=True, source="Ahmadian et al. 2024"),
     AlgoSpec(name="reinforce_pp", advantage="reinforce_pp", kl_in_reward=True, source="Hu 2025 (REINFORCE++)"),
@@ -183,6 +202,7 @@ def compute_advantages(
     group_size: int,
     whiten_advantages: bool,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = identity,
+    scale_rewards: str = "group",
 ) -> Advantages:
     """Rewards, advantages, returns and the per-token KL of one batch, by ``spec``'s estimator."""
     mask = mask.float()
@@ -190,5 +210,18 @@ def compute_advantages(
     inputs = AdvantageInputs(scores=scores, logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask, values=values, kl=kl,
                              kl_coef=kl_coef, kl_estimator=kl_estimator, clip_reward_value=clip_reward_value, gamma=gamma,
                              lam=lam, group_size=group_size, whiten_advantages=whiten_advantages,
-                             all_reduce_sum=all_reduce_sum)
+                             scale_rewards=scale_rewards, all_reduce_sum=all_reduce_sum)
     return ADVANTAGE_ESTIMATORS[spec.advantage](spec, inputs)
+
+
+def policy_loss(name: str, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_eps: tuple[float, float], loss_agg: str, num_tokens: float, num_seqs: float, norm_constant: float):
+    """The actor's clipped surrogate by ``--policy_loss`` -> (loss, stats). GSPO averages over sequences by its
+    definition, whatever ``loss_agg`` says."""
+    if name == "ppo":
+        return ppo_policy_loss(logprobs, old_logprobs, advantages, mask, *clip_eps, loss_agg, num_tokens=num_tokens,
+                               num_seqs=num_seqs, norm_constant=norm_constant)
+    if name in ("gspo", "gspo_token"):
+        return gspo_policy_loss(logprobs, old_logprobs, advantages, mask, *clip_eps,
+                                variant="seq" if name == "gspo" else "token", num_seqs=num_seqs)
+    raise ValueError(f"unknown policy loss {name!r}; expected one of {POLICY_LOSSES}")

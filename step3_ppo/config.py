@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rlhfkit.algos.advantages import REWARD_SCALES
 from rlhfkit.algos.kl import KL_ESTIMATORS
 from rlhfkit.algos.losses import LOSS_AGG_MODES
 from rlhfkit.config import AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeArgs, arg, require
 from rlhfkit.errors import ConfigError
-from rlhfkit.rl import ALGOS, AlgoSpec
+from rlhfkit.rl import ALGOS, GSPO_CLIP_EPS, POLICY_LOSSES, AlgoSpec
 from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS, RolloutOptions
 
 
@@ -113,7 +114,22 @@ class Step3Algo:
     whiten_advantages: Optional[bool] = arg(None, "Whiten advantages over the whole global batch. Default: the algorithm's "
                                                   "own, on for ppo (as TRL and OpenRLHF do), off where advantages are "
                                                   "already normalised per group (grpo, dapo) or returns are (reinforce_pp).")
-    loss_agg: str = arg("token_mean", f"Loss aggregation: {', '.join(LOSS_AGG_MODES)}.")
+    loss_agg: Optional[str] = arg(None, f"Loss aggregation: {', '.join(LOSS_AGG_MODES)}. Default: the algorithm's own, "
+                                        "token_mean except dr_grpo's seq_mean_token_sum_norm (the sum over every token of "
+                                        "every sequence / (sequences x --loss_norm_constant)).")
+    loss_norm_constant: Optional[float] = arg(None, "seq_mean_token_sum_norm's constant C. Default: --max_answer_seq_len.")
+    policy_loss: str = arg("ppo", f"Policy loss: {', '.join(POLICY_LOSSES)}. ppo: the token-level clipped ratio; gspo: GSPO's "
+                                  "length-normalised sequence ratio, clipped per sequence (Zheng et al. 2025; its clip range "
+                                  "defaults to 3e-4 / 4e-4; it differs from ppo only with 2+ updates a batch); gspo_token: "
+                                  "GSPO-token, per-token advantages on the sequence ratio.")
+    scale_rewards: Optional[str] = arg(None, f"Group-relative advantages (grpo, dapo, dr_grpo): divide the group-centred rewards by "
+                                             f"the std of the group, of the whole global batch, or by nothing ({', '.join(REWARD_SCALES)}). "
+                                             "Default: the algorithm's own, group except dr_grpo's none. batch differs from "
+                                             "--whiten_advantages: it scales sequence rewards by their std before the advantages "
+                                             "reach the tokens and keeps each group's mean at 0; whitening re-centres and rescales "
+                                             "the token advantages over the batch.")
+    entropy_coef: float = arg(0.0, "Weight of the entropy bonus in the actor loss: loss - coef x entropy, the entropy of the "
+                                   "training forward pass over the response tokens, aggregated like the policy loss.")
     ppo_epochs: int = arg(1, "Passes over each batch of experience.")
     dynamic_sampling: bool = arg(False, "DAPO: drop groups whose rewards are all equal; sample more prompts until the batch is full.")
     max_sampling_rounds: int = arg(4, "DAPO dynamic sampling: most generation rounds per step.")
@@ -165,8 +181,7 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path) and/or --reward_fn")
         if spec.needs_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ConfigError(f"--loss_agg {self.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}")
+        self.validate_objective(spec)
         if self.kl_estimator is None:
             self.kl_estimator = spec.kl_estimator
         if self.whiten_advantages is None:
@@ -188,6 +203,25 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
                 f"= {self.samples_per_rank})")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError("--max_steps must be >= 1")
+
+    def validate_objective(self, spec: AlgoSpec) -> None:
+        """The loss and advantage settings: the algorithm's defaults filled in, then checked."""
+        self.loss_agg = self.loss_agg or spec.loss_agg
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ConfigError(f"--loss_agg {self.loss_agg}: use one of {', '.join(LOSS_AGG_MODES)}")
+        if self.loss_norm_constant is None:
+            self.loss_norm_constant = float(self.max_answer_seq_len)
+        if self.loss_norm_constant <= 0:
+            raise ConfigError(f"--loss_norm_constant must be > 0, got {self.loss_norm_constant}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ConfigError(f"--policy_loss {self.policy_loss}: use one of {', '.join(POLICY_LOSSES)}")
+        if self.scale_rewards is not None and spec.advantage != "grpo":
+            raise ConfigError(f"--scale_rewards applies to group-relative advantages (grpo, dapo, dr_grpo), not --algo {self.algo}")
+        self.scale_rewards = self.scale_rewards or spec.scale_rewards
+        if self.scale_rewards not in REWARD_SCALES:
+            raise ConfigError(f"--scale_rewards {self.scale_rewards}: use one of {', '.join(REWARD_SCALES)}")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"--entropy_coef must be >= 0 (a bonus), got {self.entropy_coef}")
 
     @property
     def spec(self) -> AlgoSpec:
@@ -230,8 +264,10 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
 
     @property
     def clip_eps(self) -> tuple[float, float]:
-        """(low, high) clip range: the flags, else the algorithm's own (DAPO), else --cliprange."""
-        default_low, default_high = self.spec.clip_eps or (self.cliprange, self.cliprange)
+        """(low, high) clip range: the flags, else GSPO's sequence-ratio range (3e-4, 4e-4, the paper's), else the
+        algorithm's own (DAPO), else --cliprange."""
+        gspo = GSPO_CLIP_EPS if self.policy_loss.startswith("gspo") else None
+        default_low, default_high = gspo or self.spec.clip_eps or (self.cliprange, self.cliprange)
         return (self.clip_eps_low if self.clip_eps_low is not None else default_low,
                 self.clip_eps_high if self.clip_eps_high is not None else default_high)
 

@@ -91,16 +91,24 @@ def learn(model, prompts, out, algo, *extra, nprocs=0, lr="3e-3", critic=None):
     return [r["reward/score_mean"] for r in rows if "policy/loss" in r]
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dapo", "rloo", "reinforce_pp", "ppo"])
-def test_every_algorithm_raises_the_reward(yes_no_model, prompts, critic_dir, tmp_path, algo):
-    rewards = learn(yes_no_model, prompts, tmp_path / algo, algo, critic=critic_dir if algo == "ppo" else None)
+# (name, --algo, more flags). GSPO differs from GRPO only with 2+ updates a batch: two epochs here.
+OBJECTIVES = {"grpo": ("grpo",), "dapo": ("dapo",), "rloo": ("rloo",), "reinforce_pp": ("reinforce_pp",), "ppo": ("ppo",),
+              "dr_grpo": ("dr_grpo",), "gspo": ("grpo", "--policy_loss", "gspo", "--ppo_epochs", "2")}
+
+
+@pytest.mark.parametrize("name", OBJECTIVES)
+def test_every_algorithm_raises_the_reward(yes_no_model, prompts, critic_dir, tmp_path, name):
+    algo, *extra = OBJECTIVES[name]
+    rewards = learn(yes_no_model, prompts, tmp_path / name, algo, *extra, critic=critic_dir if algo == "ppo" else None)
     assert len(rewards) == STEPS
     assert 0.3 < rewards[0] < 0.7, rewards  # the starting model answers yes half the time
     assert sum(rewards[-2:]) / 2 > THRESHOLD, rewards
 
 
-def test_learning_rate_zero_stays_under_the_threshold(yes_no_model, prompts, tmp_path):
-    rewards = learn(yes_no_model, prompts, tmp_path / "lr0", "grpo", lr="0")
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "gspo"])
+def test_learning_rate_zero_stays_under_the_threshold(yes_no_model, prompts, tmp_path, name):
+    algo, *extra = OBJECTIVES[name]
+    rewards = learn(yes_no_model, prompts, tmp_path / "lr0", algo, *extra, lr="0")
     assert len(rewards) == STEPS and sum(rewards[-2:]) / 2 < THRESHOLD, rewards
 
 

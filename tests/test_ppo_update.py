@@ -6,6 +6,7 @@ every position: with the bias at 0 every token has logprob -ln 2, its entropy is
 gradient of a token's logprob with respect to the bias is onehot(token) - 1/2."""
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -40,8 +41,10 @@ class BiasActor(torch.nn.Module):
         self.steps += 1
 
 
-SETTINGS = UpdateSettings(clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="token_mean", temperature=1.0, kl_in_loss=True,
-                          kl_estimator="k3", unsup_coef=0.5, cliprange_value=0.2, ppo_epochs=1, minibatch_size=2, seed=0)
+SETTINGS = UpdateSettings(clip_eps_low=0.2, clip_eps_high=0.2, loss_agg="token_mean", norm_constant=2.0, policy_loss="ppo",
+                          entropy_coef=0.0, temperature=1.0, kl_in_loss=True, kl_estimator="k3", unsup_coef=0.5,
+                          cliprange_value=0.2, ppo_epochs=1, minibatch_size=2, seed=0)
+RATIOS = torch.tensor([[1.0, 1.5], [0.5, 1.0]])
 
 
 def batch(old_logprobs):
@@ -84,6 +87,38 @@ def test_one_update_by_hand():
     g_kl = 0.1 * (-1.0 * torch.tensor([0.5, -0.5]) + 0.5 * torch.tensor([0.5, -0.5])) / 3
     torch.testing.assert_close(actor.bias.detach(), -(g_policy + g_kl))  # one SGD step, lr 1, from 0
     assert actor.steps == 1
+
+
+def test_gspo_and_dr_grpo_aggregation_by_hand():
+    # GSPO: s_0 = exp((0 + ln 1.5) / 2) = sqrt(1.5) with A = 1 -> -min(1.2247, 1.2) = -1.2 (clipped);
+    #       s_1 = 0.5 (one token) with A = -2 -> -min(-1.0, -1.6) = 1.6 (clipped); mean over the 2 sequences
+    actor = BiasActor()
+    stats = ppo_update(Trainables(actor), batch(-LN2 - RATIOS.log()), replace(SETTINGS, policy_loss="gspo"), kl_coef=0.0)
+    assert stats.policy_loss == pytest.approx((-1.2 + 1.6) / 2) and stats.clip_frac == 1.0
+    assert torch.equal(actor.bias.detach(), torch.zeros(2))  # both sequences clipped: no gradient
+    # Dr. GRPO: the PPO-clip token losses -1.0, -1.2, 1.6 summed, / (2 sequences x C = 2)
+    stats = ppo_update(Trainables(BiasActor()), batch(-LN2 - RATIOS.log()), replace(SETTINGS, loss_agg="seq_mean_token_sum_norm"),
+                       kl_coef=0.1)
+    assert stats.policy_loss == pytest.approx((-1.0 - 1.2 + 1.6) / 4)
+    assert stats.kl_loss == pytest.approx((0.0 + (1 - LN2) + (LN2 - 0.5)) / 4)  # the KL term is aggregated the same way
+
+
+def test_entropy_bonus_by_hand():
+    """With the bias at (ln 3, 0) every token has p = (3/4, 1/4) and entropy H; the bonus adds -coef * H to the loss,
+    so one SGD step moves the bias by coef * dH/dbias more than without it, dH/dbias_k = -p_k (ln p_k + H)."""
+    p = torch.tensor([0.75, 0.25])
+    H = -(p * p.log()).sum()
+    dH = -p * (p.log() + H)
+    moved = []
+    for coef in (0.0, 0.5):
+        actor = BiasActor()
+        with torch.no_grad():
+            actor.bias.copy_(torch.tensor([math.log(3.0), 0.0]))
+        stats = ppo_update(Trainables(actor), batch(None), replace(SETTINGS, entropy_coef=coef), kl_coef=0.0)
+        moved.append(actor.bias.detach().clone())
+        assert stats.entropy == pytest.approx(H.item())
+        assert (stats.entropy_loss is None) if coef == 0 else stats.entropy_loss == pytest.approx(H.item())
+    torch.testing.assert_close(moved[1] - moved[0], 0.5 * dH)
 
 
 def test_the_single_update_takes_its_own_logprobs_as_old():

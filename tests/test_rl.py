@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from rlhfkit.errors import ConfigError
 from rlhfkit.rl import ADVANTAGE_ESTIMATORS, ALGOS, AlgoSpec, compute_advantages, register_advantage
 from step3_ppo.config import Step3Config
 
@@ -97,11 +98,48 @@ def test_whitening_over_two_ranks_equals_one_rank():
     torch.testing.assert_close(torch.cat(halves), whole.advantages)
 
 
+def test_scale_rewards_by_hand_and_batch_std_over_two_ranks():
+    """Groups (1, 0) and (3, 3). batch: the unbiased std of all four rewards (mean 1.75, squares 6.75 / 3 = 2.25 -> 1.5);
+    none (Dr. GRPO): the centred rewards themselves."""
+    mask, z = torch.ones(4, 1), torch.zeros(4, 1)
+    scores = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    batch = advantages("grpo", scores=scores, logprobs=z, ref_logprobs=z, mask=mask, scale_rewards="batch")
+    torch.testing.assert_close(batch.advantages[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]) / (1.5 + 1e-6))
+    none = advantages("dr_grpo", scores=scores, logprobs=z, ref_logprobs=z, mask=mask, scale_rewards="none")
+    torch.testing.assert_close(none.advantages[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    # two ranks, one group each: the other rank's (count, sum, sum of squares) arrive through all_reduce_sum
+    halves = []
+    for mine, other in ((slice(0, 2), slice(2, 4)), (slice(2, 4), slice(0, 2))):
+        o = scores[other].double()
+        theirs = torch.stack([torch.tensor(2.0, dtype=torch.float64), o.sum(), o.square().sum()])
+        halves.append(advantages("grpo", scores=scores[mine], logprobs=z[mine], ref_logprobs=z[mine], mask=mask[mine],
+                                 scale_rewards="batch", all_reduce_sum=lambda t, x=theirs: t + x).advantages)
+    torch.testing.assert_close(torch.cat(halves), batch.advantages)
+
+
+def test_objective_defaults_and_errors():
+    dr = Step3Config(algo="dr_grpo", max_answer_seq_len=128)
+    dr.validate_objective(dr.spec)
+    assert (dr.loss_agg, dr.loss_norm_constant, dr.scale_rewards) == ("seq_mean_token_sum_norm", 128.0, "none")
+    grpo = Step3Config(algo="grpo", scale_rewards="batch", loss_agg="seq_mean_token_mean")
+    grpo.validate_objective(grpo.spec)
+    assert (grpo.loss_agg, grpo.scale_rewards, grpo.policy_loss) == ("seq_mean_token_mean", "batch", "ppo")
+    for flags, message in (({"algo": "ppo", "scale_rewards": "none"}, "applies to group-relative advantages"),
+                           ({"algo": "grpo", "policy_loss": "cispo"}, "--policy_loss cispo: use one of ppo, gspo, gspo_token"),
+                           ({"algo": "grpo", "scale_rewards": "global"}, "--scale_rewards global: use one of group, batch, none"),
+                           ({"algo": "grpo", "entropy_coef": -0.1}, "--entropy_coef must be >= 0"),
+                           ({"algo": "grpo", "loss_norm_constant": 0.0}, "--loss_norm_constant must be > 0")):
+        cfg = Step3Config(**flags)
+        with pytest.raises(ConfigError, match=message):
+            cfg.validate_objective(cfg.spec)
+
+
 def test_registry_rules():
     for spec in ALGOS.values():
         assert spec.advantage in ADVANTAGE_ESTIMATORS, spec
     assert ALGOS["ppo"].needs_critic and ALGOS["ppo"].kl_in_reward and not ALGOS["ppo"].kl_in_loss
     assert ALGOS["grpo"].kl_in_loss and not ALGOS["grpo"].kl_in_reward
+    assert (ALGOS["dr_grpo"].scale_rewards, ALGOS["dr_grpo"].loss_agg) == ("none", "seq_mean_token_sum_norm")
     assert not ALGOS["dapo"].kl_in_loss and not ALGOS["dapo"].kl_in_reward and ALGOS["dapo"].clip_eps == (0.2, 0.28)
     with pytest.raises(ValueError, match="no advantage estimator 'nope'"):
         AlgoSpec(name="x", advantage="nope")
@@ -118,6 +156,8 @@ def test_registry_rules():
     ("dapo", {"cliprange": 0.3}, (0.2, 0.28)),
     ("dapo", {"clip_eps_high": 0.25}, (0.2, 0.25)),
     ("grpo", {"clip_eps_low": 0.1}, (0.1, 0.2)),
+    ("grpo", {"policy_loss": "gspo"}, (3e-4, 4e-4)),  # GSPO's sequence-ratio range
+    ("dapo", {"policy_loss": "gspo_token", "clip_eps_high": 1e-3}, (3e-4, 1e-3)),
 ])
 def test_clip_range_defaults(algo, flags, expected):
     assert Step3Config(algo=algo, **flags).clip_eps == expected

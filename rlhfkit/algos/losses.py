@@ -196,6 +196,7 @@ def clipped_value_loss(
     loss_agg: str = "token_mean",
     num_tokens=None,
     num_seqs=None,
+    norm_constant=None,
 ):
     """Clipped critic loss -> (loss, stats).
 
@@ -219,7 +220,7 @@ def clipped_value_loss(
         loss_mat = 0.5 * torch.maximum(err, err_clip)
         with torch.no_grad():
             clip_frac = masked_mean((err_clip > err).float(), keep)
-    loss = aggregate_loss(loss_mat, keep, loss_agg, num_tokens, num_seqs)
+    loss = aggregate_loss(loss_mat, keep, loss_agg, num_tokens, num_seqs, norm_constant)
     return loss, {"vf_clip_frac": clip_frac.detach()}
 
 
@@ -231,6 +232,7 @@ def kl_loss(
     loss_agg: str = "token_mean",
     num_tokens=None,
     num_seqs=None,
+    norm_constant=None,
 ) -> torch.Tensor:
     """KL-to-reference term of the GRPO loss: logprobs (with grad), ref_logprobs, mask [B, A] -> scalar.
 
@@ -238,7 +240,7 @@ def kl_loss(
     DeepSeekMath Eq. 4; verl ``kl_penalty(..., "low_var_kl")``). The caller multiplies by beta.
     """
     kl = kl_estimate(logprobs, ref_logprobs.detach(), estimator)
-    return aggregate_loss(kl, mask, loss_agg, num_tokens, num_seqs)
+    return aggregate_loss(kl, mask, loss_agg, num_tokens, num_seqs, norm_constant)
 
 
 def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):

@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import clipped_value_loss, kl_estimate, kl_loss, masked_mean, ppo_policy_loss, sft_loss
+from rlhfkit.algos import aggregate_loss, clipped_value_loss, kl_estimate, kl_loss, masked_mean, sft_loss
 from rlhfkit.experience import Experience, actor_forward, critic_forward, packs_groups
-from rlhfkit.rl import AlgoSpec, compute_advantages
+from rlhfkit.rl import AlgoSpec, compute_advantages, policy_loss
 from rlhfkit.loaders import to_device
 
 
@@ -31,7 +31,10 @@ class UpdateSettings:
 
     clip_eps_low: float  # PPO ratio clip range below 1
     clip_eps_high: float  # and above 1 (DAPO's clip-higher when larger)
-    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    loss_agg: str  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
+    norm_constant: float  # seq_mean_token_sum_norm's C
+    policy_loss: str  # ppo | gspo | gspo_token (rlhfkit.rl.POLICY_LOSSES)
+    entropy_coef: float  # weight of the entropy bonus (0: none)
     temperature: float  # the rollouts' sampling temperature: logprobs are taken at it
     kl_in_loss: bool  # beta * KL(actor || reference) is part of the actor loss (GRPO)
     kl_estimator: str  # k1 | k2 | k3, for the KL in the loss and the "old" KL of the metrics
@@ -45,7 +48,8 @@ class UpdateSettings:
     def from_config(cfg: Any) -> "UpdateSettings":
         """From a :class:`step3_ppo.config.Step3Config`."""
         low, high = cfg.clip_eps
-        return UpdateSettings(clip_eps_low=low, clip_eps_high=high, loss_agg=cfg.loss_agg, temperature=cfg.temperature,
+        return UpdateSettings(clip_eps_low=low, clip_eps_high=high, loss_agg=cfg.loss_agg, norm_constant=cfg.loss_norm_constant,
+                              policy_loss=cfg.policy_loss, entropy_coef=cfg.entropy_coef, temperature=cfg.temperature,
                               kl_in_loss=cfg.spec.kl_in_loss, kl_estimator=cfg.kl_estimator, unsup_coef=cfg.unsup_coef,
                               cliprange_value=cfg.cliprange_value, ppo_epochs=cfg.ppo_epochs,
                               minibatch_size=cfg.per_device_training_batch_size, seed=cfg.seed)
@@ -69,12 +73,13 @@ class UpdateStats:
     approx_kl: float  # policy/approx_kl: mean (old - new) log-ratio, the drift within the batch
     entropy: float  # policy/entropy: mean entropy of the actor over the response tokens
     kl_loss: Optional[float] = None  # policy/kl_loss: the KL term before its coefficient (KL in the loss)
+    entropy_loss: Optional[float] = None  # policy/entropy_loss: the aggregated entropy the bonus weights (--entropy_coef)
     ptx_loss: Optional[float] = None  # policy/ptx_loss: the PTX SFT loss before its coefficient
     value_loss: Optional[float] = None  # value/loss (with a critic)
     value_clip_frac: Optional[float] = None  # value/clip_frac
 
     _NAMES = {"policy_loss": "policy/loss", "clip_frac": "policy/clip_frac", "approx_kl": "policy/approx_kl",
-              "entropy": "policy/entropy", "kl_loss": "policy/kl_loss", "ptx_loss": "policy/ptx_loss",
+              "entropy": "policy/entropy", "kl_loss": "policy/kl_loss", "entropy_loss": "policy/entropy_loss", "ptx_loss": "policy/ptx_loss",
               "value_loss": "value/loss", "value_clip_frac": "value/clip_frac"}
 
     def metrics(self) -> dict[str, float]:
@@ -102,7 +107,7 @@ def add_advantages(exp: Experience, spec: AlgoSpec, cfg: Any, kl_coef: float) ->
                              values=exp.values, kl_coef=kl_coef, kl_estimator=cfg.kl_estimator,
                              clip_reward_value=cfg.clip_reward_value, gamma=cfg.gamma, lam=cfg.lam,
                              group_size=cfg.n_samples_per_prompt, whiten_advantages=cfg.whiten_advantages,
-                             all_reduce_sum=dist.all_reduce_sum)
+                             all_reduce_sum=dist.all_reduce_sum, scale_rewards=cfg.scale_rewards)
     exp.rewards, exp.advantages, exp.returns, exp.kl = adv.rewards, adv.advantages, adv.returns, adv.kl
 
 
@@ -125,17 +130,23 @@ def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef
     guard = guard or (lambda loss: True)
     n_tok, n_seq = global_counts(mb)
     logp, entropy = actor_forward(models.actor, mb.sequences, mb.attention_mask, mb.prompt_len, s.temperature,
-                                  with_entropy=True, group_size=group_size)
+                                  with_entropy=True, group_size=group_size, entropy_grad=s.entropy_coef > 0)
     if mb.old_logprobs is None:
         mb.old_logprobs = logp.detach()
         mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, s.kl_estimator) * mb.action_mask
-    pg_loss, pg = ppo_policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, s.clip_eps_low, s.clip_eps_high, s.loss_agg,
-                                  num_tokens=n_tok, num_seqs=n_seq)
+    agg = dict(loss_agg=s.loss_agg, num_tokens=n_tok, num_seqs=n_seq, norm_constant=s.norm_constant)
+    pg_loss, pg = policy_loss(s.policy_loss, logp, mb.old_logprobs, mb.advantages, mb.loss_mask,
+                              (s.clip_eps_low, s.clip_eps_high), **agg)
     loss = pg_loss
     stats = UpdateStats(policy_loss=pg_loss.item(), clip_frac=float(pg["clip_frac"]), approx_kl=float(pg["approx_kl"]),
                         entropy=masked_mean(entropy.detach(), mb.action_mask).item())
+    if s.entropy_coef > 0:
+        entropy_term = aggregate_loss(entropy, mb.loss_mask, **agg)
+        loss = loss - s.entropy_coef * entropy_term
+        stats.entropy_loss = entropy_term.item()
     if s.kl_in_loss and kl_coef > 0:
-        kl_term = kl_loss(logp, mb.ref_logprobs, mb.loss_mask, s.kl_estimator, s.loss_agg, num_tokens=n_tok, num_seqs=n_seq)
+        kl_term = kl_loss(logp, mb.ref_logprobs, mb.loss_mask, s.kl_estimator, s.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
+                          norm_constant=s.norm_constant)
         loss = loss + kl_coef * kl_term
         stats.kl_loss = kl_term.item()
     if ptx_batch is not None:
@@ -148,8 +159,7 @@ def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef
         models.actor.step()
     if models.critic is not None:
         v = critic_forward(models.critic, mb.sequences, mb.attention_mask, mb.prompt_len)
-        vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, s.cliprange_value, s.loss_agg,
-                                         num_tokens=n_tok, num_seqs=n_seq)
+        vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, s.cliprange_value, **agg)
         if guard(vf_loss):
             models.critic.backward(vf_loss)
             models.critic.step()
