@@ -282,7 +282,7 @@ def test_rule_rewards_tasks(launch_env, tmp_path):
     assert flag(grpo, "--algo") == "grpo" and flag(grpo, "--reward_fn") == "gsm8k"
     assert flag(grpo, "--data_path").endswith("shared/data/gsm8k/test_first1000.jsonl")
     assert flag(grpo, "--actor_model_name_or_path") == str(tmp_path / "g" / "base") and "--critic_model_name_or_path" not in grpo
-    assert [flag(grpo, f) for f in ("--max_steps", "--max_answer_seq_len", "--max_eval_samples", "--seed")] == ["28", "256", "128", "7"]
+    assert [flag(grpo, f) for f in ("--max_steps", "--max_answer_seq_len", "--max_eval_samples", "--seed")] == ["40", "256", "128", "7"]
     out = launch_env("launch/rule_rewards.sh", "--task", "arithmetic", "--out", str(tmp_path / "a"), "--model", "m",
                      "--steps", "3").stdout
     make, grpo = commands(out)
