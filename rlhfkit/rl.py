@@ -18,7 +18,7 @@ are generated on the same rank and kept contiguous, so group means and stds need
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -104,6 +104,22 @@ class AlgoSpec:
             raise ValueError(f"algorithm {self.name!r}: no advantage estimator {self.advantage!r} is registered")
 
 
+KL_PLACEMENTS = ("reward", "loss", "none")
+
+
+def with_kl_placement(spec: AlgoSpec, placement: Optional[str]) -> AlgoSpec:
+    """``spec`` with the KL to the reference in the per-token reward, in the loss or nowhere (``--kl_placement``);
+    None keeps the algorithm's own. A moved KL takes that place's default estimator: k1 in a reward, k3 in the loss."""
+    if placement is None:
+        return spec
+    if placement not in KL_PLACEMENTS:
+        raise ValueError(f"unknown KL placement {placement!r}; expected one of {KL_PLACEMENTS}")
+    in_reward, in_loss = placement == "reward", placement == "loss"
+    if (in_reward, in_loss) == (spec.kl_in_reward, spec.kl_in_loss):
+        return spec
+    return replace(spec, kl_in_reward=in_reward, kl_in_loss=in_loss, kl_estimator="k3" if in_loss else "k1")
+
+
 def whiten_global(x: torch.Tensor, mask: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor],
                   shift_mean: bool = True) -> torch.Tensor:
     """``masked_whiten`` with the mean/variance of the whole global batch (all ranks)."""
@@ -117,11 +133,16 @@ def _last_token_rewards(seq_scores: torch.Tensor, mask: torch.Tensor) -> torch.T
     return torch.where(last, seq_scores[:, None].expand_as(mask), torch.zeros_like(mask))
 
 
+def reward_kl_coef(spec: AlgoSpec, x: AdvantageInputs) -> float:
+    """beta where the KL shapes the reward, else 0 (the KL is in the loss, or nowhere)."""
+    return x.kl_coef if spec.kl_in_reward else 0.0
+
+
 @register_advantage("gae")
 def gae(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
     """PPO: KL-penalised per-token rewards, then GAE over the critic's values (Schulman et al. 2016)."""
-    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, x.kl_coef, x.clip_reward_value,
-                                      x.kl_estimator)
+    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, reward_kl_coef(spec, x),
+                                      x.clip_reward_value, x.kl_estimator)
     advantages, returns = gae_advantages(rewards, x.values, x.mask, x.gamma, x.lam)
     if x.whiten_advantages:
         advantages = whiten_global(advantages, x.mask, x.all_reduce_sum)
@@ -131,8 +152,8 @@ def gae(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
 @register_advantage("reinforce_pp")
 def reinforce_pp(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
     """REINFORCE++: KL-penalised rewards, discounted returns, normalised over the global batch."""
-    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, x.kl_coef, x.clip_reward_value,
-                                      x.kl_estimator)
+    rewards, _ = kl_penalized_rewards(x.logprobs, x.ref_logprobs, x.scores, x.mask, reward_kl_coef(spec, x),
+                                      x.clip_reward_value, x.kl_estimator)
     returns = reinforce_pp_returns(rewards, x.mask, x.gamma)
     advantages = whiten_global(returns, x.mask, x.all_reduce_sum)
     return Advantages(rewards, advantages, returns, x.kl)

@@ -3,6 +3,7 @@ parts of :mod:`rlhfkit.config` plus step 3's own, and the values derived from it
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,7 +12,7 @@ from rlhfkit.algos.kl import KL_ESTIMATORS
 from rlhfkit.algos.losses import LOSS_AGG_MODES
 from rlhfkit.config import AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeArgs, arg, require
 from rlhfkit.errors import ConfigError
-from rlhfkit.rl import ALGOS, GSPO_CLIP_EPS, POLICY_LOSSES, AlgoSpec
+from rlhfkit.rl import ALGOS, GSPO_CLIP_EPS, KL_PLACEMENTS, POLICY_LOSSES, AlgoSpec, with_kl_placement
 from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS, RolloutOptions
 
 
@@ -94,6 +95,9 @@ class Step3Algo:
                                   "responses). With several updates a batch, mini-batches then hold whole groups: G must "
                                   "divide --per_device_training_batch_size.")
     kl_ctl: float = arg(0.1, "KL coefficient beta: in the reward (ppo, rloo, reinforce_pp) or in the loss (grpo).", aliases=["--init_kl_coef"])
+    kl_placement: Optional[str] = arg(None, f"Where the KL to the reference goes: {', '.join(KL_PLACEMENTS)}. reward: -beta KL_t in the "
+                                            "per-token reward (PPO, DeepSpeed-Chat); loss: + beta KL in the actor loss (GRPO); "
+                                            "none (DAPO). Default: the algorithm's own (README table).")
     kl_estimator: Optional[str] = arg(None, f"KL estimator: {', '.join(KL_ESTIMATORS)}. Default: the algorithm's own, k1 where "
                                              "the KL shapes the reward (ppo, rloo, reinforce_pp), k3 where it is a loss term "
                                              "(grpo): on-policy the gradient of k1 has expectation 0, so as a loss it does not "
@@ -174,6 +178,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             raise ConfigError(f"--dtype {self.dtype}: use bf16, fp16 or fp32")
         if self.algo not in ALGOS:
             raise ConfigError(f"--algo {self.algo}: choose one of {', '.join(ALGOS)}")
+        if self.kl_placement is not None and self.kl_placement not in KL_PLACEMENTS:
+            raise ConfigError(f"--kl_placement {self.kl_placement}: use one of {', '.join(KL_PLACEMENTS)}")
         spec = self.spec
         if spec.needs_critic and not self.critic_model_name_or_path:
             raise ConfigError(f"--algo {self.algo} trains a critic: pass --critic_model_name_or_path (a step-2 reward model)")
@@ -188,6 +194,9 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             self.whiten_advantages = spec.whiten_advantages
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"--kl_estimator {self.kl_estimator}: use one of {', '.join(KL_ESTIMATORS)}")
+        if spec.kl_in_loss and self.kl_estimator == "k1":
+            warnings.warn("--kl_estimator k1 in the loss: on the policy's own samples its gradient is 0 in expectation, so "
+                          "it does not keep the actor near the reference; k3 (the default there) does", stacklevel=2)
         if self.rollout_backend not in ROLLOUT_BACKENDS:
             raise ConfigError(f"--rollout_backend {self.rollout_backend}: choose one of {', '.join(ROLLOUT_BACKENDS)}")
         for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches", "ppo_epochs",
@@ -225,8 +234,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
 
     @property
     def spec(self) -> AlgoSpec:
-        """The algorithm's registry entry (:mod:`rlhfkit.rl`)."""
-        return ALGOS[self.algo]
+        """The algorithm's registry entry (:mod:`rlhfkit.rl`), with the KL where ``--kl_placement`` puts it."""
+        return with_kl_placement(ALGOS[self.algo], self.kl_placement)
 
     @property
     def samples_per_rank(self) -> int:

@@ -7,16 +7,18 @@ import pytest
 import torch
 
 from rlhfkit.errors import ConfigError
-from rlhfkit.rl import ADVANTAGE_ESTIMATORS, ALGOS, AlgoSpec, compute_advantages, register_advantage
+from rlhfkit.rl import ADVANTAGE_ESTIMATORS, ALGOS, AlgoSpec, compute_advantages, register_advantage, with_kl_placement
 from step3_ppo.config import Step3Config
 
 LN2 = math.log(2.0)
 
 
-def advantages(algo, **kw):
-    args = dict(values=None, kl_coef=0.0, kl_estimator="k1", clip_reward_value=None, gamma=1.0, lam=0.95, group_size=2,
+DEFAULTS = dict(values=None, kl_coef=0.0, kl_estimator="k1", clip_reward_value=None, gamma=1.0, lam=0.95, group_size=2,
                 whiten_advantages=False)
-    args.update(kw)
+
+
+def advantages(algo, **kw):
+    args = {**DEFAULTS, **kw}
     return compute_advantages(ALGOS[algo], **args)
 
 
@@ -132,6 +134,33 @@ def test_objective_defaults_and_errors():
         cfg = Step3Config(**flags)
         with pytest.raises(ConfigError, match=message):
             cfg.validate_objective(cfg.spec)
+
+
+def test_kl_placement_moves_the_kl_and_its_default_estimator():
+    assert with_kl_placement(ALGOS["ppo"], None) is ALGOS["ppo"]
+    moved = with_kl_placement(ALGOS["grpo"], "reward")
+    assert (moved.kl_in_reward, moved.kl_in_loss, moved.kl_estimator) == (True, False, "k1")
+    moved = with_kl_placement(ALGOS["dapo"], "loss")
+    assert (moved.kl_in_reward, moved.kl_in_loss, moved.kl_estimator, moved.clip_eps) == (False, True, "k3", (0.2, 0.28))
+    # PPO with no KL: GAE over the bare scores; with it in the reward, the k1 penalty on each token
+    mask, ref = torch.ones(1, 2), torch.zeros(1, 2)
+    logp = torch.tensor([[0.5, 0.25]])
+    args = dict(scores=torch.tensor([1.0]), logprobs=logp, ref_logprobs=ref, mask=mask, values=torch.zeros(1, 2), kl_coef=0.2)
+    none = compute_advantages(with_kl_placement(ALGOS["ppo"], "none"), **{**DEFAULTS, **args})
+    reward = compute_advantages(ALGOS["ppo"], **{**DEFAULTS, **args})
+    torch.testing.assert_close(none.rewards, torch.tensor([[0.0, 1.0]]))
+    torch.testing.assert_close(reward.rewards, torch.tensor([[-0.1, 1.0 - 0.05]]))
+    cfg = Step3Config(actor_model_name_or_path="a", data_path="d", output_dir="o", critic_model_name_or_path="c",
+                      kl_placement="loss")
+    cfg.validate()
+    assert cfg.spec.kl_in_loss and not cfg.spec.kl_in_reward and cfg.kl_estimator == "k3"
+    cfg = Step3Config(actor_model_name_or_path="a", data_path="d", output_dir="o", critic_model_name_or_path="c",
+                      kl_placement="loss", kl_estimator="k1")
+    with pytest.warns(UserWarning, match="k1 in the loss: on the policy's own samples its gradient is 0"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="--kl_placement actor: use one of reward, loss, none"):
+        Step3Config(actor_model_name_or_path="a", data_path="d", output_dir="o", reward_fn="gsm8k",
+                    kl_placement="actor").validate()
 
 
 def test_registry_rules():

@@ -65,6 +65,10 @@ def test_on_policy_k1_loss_gradient_is_zero_and_k3_pulls_toward_the_reference():
     x = logits.clone().requires_grad_(True)  # the same by autograd: grad of KL(pi_ref || pi)
     (pi_ref * (pi_ref.log() - torch.log_softmax(x, -1))).sum().backward()
     assert torch.allclose(k3, x.grad, atol=1e-6)
+    x = logits.clone().requires_grad_(True)  # k2 = (log pi - log pi_ref)^2 / 2: the gradient of KL(pi || pi_ref)
+    (torch.softmax(x, -1) * (torch.log_softmax(x, -1) - pi_ref.log())).sum().backward()
+    assert torch.allclose(expected_loss_gradient(logits, ref_logits, "k2"), x.grad, atol=1e-6)
+    assert not torch.allclose(x.grad, k3, atol=1e-3)  # the two KLs' gradients differ
     step = logits - 1.0 * k3  # a gradient step on the k3 term moves pi toward pi_ref
     assert (torch.softmax(step, -1) - pi_ref).abs().sum() < (pi - pi_ref).abs().sum()
 
@@ -82,7 +86,8 @@ def test_each_algorithm_has_its_own_kl_estimator_and_whitening_defaults():
 
     assert estimator(("algo", "grpo")) == "k3"
     assert [estimator(("algo", a)) for a in ("ppo", "rloo", "reinforce_pp", "dapo")] == ["k1"] * 4
-    assert estimator(("algo", "grpo"), ("kl_estimator", "k1")) == "k1"  # an explicit choice stands
+    with pytest.warns(UserWarning, match="k1 in the loss"):
+        assert estimator(("algo", "grpo"), ("kl_estimator", "k1")) == "k1"  # an explicit choice stands, with a warning
     # PPO whitens its GAE advantages by default (TRL, OpenRLHF); the group algorithms normalise per group
     assert [estimator(("algo", a), whiten=True) for a in ("ppo", "grpo", "dapo", "rloo", "reinforce_pp")] == [
         True, False, False, False, False]
