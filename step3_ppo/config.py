@@ -21,8 +21,13 @@ class Step3Models(LoadArgs):
     actor_model_name_or_path: Optional[str] = arg(None, "Step-1 (SFT) checkpoint: the actor, and the frozen reference.")
     critic_model_name_or_path: Optional[str] = arg(None, "Step-2 reward model: initialises the critic (PPO); also the reward model unless --reward_model_name_or_path.")
     reward_model_name_or_path: Optional[str] = arg(None, "Frozen reward model (default: --critic_model_name_or_path).")
-    reward_fn: Optional[str] = arg(None, "Rule-based reward: gsm8k, or module.path:function(prompts, responses, rows) -> scores.")
-    reward_fn_weight: float = arg(1.0, "Weight of --reward_fn in the summed reward.")
+    reward_fn: list[str] = arg([], "Rule-based rewards, one or more (repeat the flag or list them), each NAME[:WEIGHT]: gsm8k, "
+                                   "or module.path:function(prompts, responses, rows) -> scores; e.g. --reward_fn gsm8k:1.0 "
+                                   "--reward_fn mymod:len_penalty:0.2. The weighted sum is added to the reward model's score.",
+                               action="extend")
+    reward_fn_weight: float = arg(1.0, "Weight of a --reward_fn given without its own :WEIGHT.")
+    normalize_reward_fns: bool = arg(False, "Normalise each --reward_fn by the running mean and std of its own scores so far "
+                                            "(all ranks) before weighting it.")
     reward_model_weight: float = arg(1.0, "Weight of the reward model in the summed reward.")
     format_bonus: float = arg(0.0, "gsm8k: extra reward when the answer is stated as '#### n' or \\boxed{n}.")
     attn_implementation: str = arg("auto", "Attention kernel of the four models, passed to transformers (sdpa, eager, "
@@ -171,6 +176,8 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
 
     def validate(self) -> None:
         require(self, "actor_model_name_or_path", "data_path", "output_dir")
+        if isinstance(self.reward_fn, str):  # a config file's single name
+            self.reward_fn = [self.reward_fn]
         for flag in ("actor_zero_stage", "critic_zero_stage"):
             if getattr(self, flag) not in (0, 1, 2, 3):
                 raise ConfigError(f"--{flag} {getattr(self, flag)} is out of range: use 0, 1, 2 or 3")

@@ -32,7 +32,7 @@ from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings
 from rlhfkit.ppo import step_metrics, train_on  # noqa: E402
 from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, paired_gain  # noqa: E402
 from rlhfkit.ppo.progress import Progress, kl_controller, update_kl_controller  # noqa: E402
-from rlhfkit.rewards import load_reward_fn  # noqa: E402
+from rlhfkit.rewards import RewardFunctions  # noqa: E402
 from rlhfkit.rollout import check_backend  # noqa: E402
 from rlhfkit.loaders import BatchStream, train_loader  # noqa: E402
 from rlhfkit.params import ParamEMA  # noqa: E402
@@ -130,6 +130,8 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
             lines["held-out gain"] = (f"{gain['mean']:+.4f}, 95% CI [{gain['ci_low']:+.4f}, {gain['ci_high']:+.4f}] paired over "
                                       f"{gain['n']} prompts: the actor is {verdict} the step-1 model")
         for part in b.get(PROMPT_PARTS, {}):  # reward components (gsm8k: accuracy, format), each with its own change
+            if part.endswith("/weighted"):
+                continue
             g = paired_gain(b, a, part)
             lines[f"held-out {part}"] = (f"{b[part]:.3f} -> {a[part]:.3f}, change {g['mean']:+.3f}, 95% CI "
                                          f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] paired over {g['n']} prompts")
@@ -176,7 +178,7 @@ def main() -> None:
 
     # 1. Inputs: checkpoints, reward function, prompts (and PTX data).
     tokenizer = check_inputs(cfg)
-    reward_fn = load_reward_fn(cfg.reward_fn) if cfg.reward_fn else None
+    reward_fns = RewardFunctions.load(cfg.reward_fn, cfg.reward_fn_weight, cfg.normalize_reward_fns)
     prompts = load_prompts(cfg, tokenizer)
     loader = train_loader(prompts.train, functools.partial(collate_prompts, pad_token_id=tokenizer.pad_token_id),
                           cfg.per_device_generation_batch_size, cfg.seed,
@@ -187,7 +189,7 @@ def main() -> None:
     models = build_models(cfg, actor_path=cfg.actor_model_name_or_path, critic_path=cfg.critic_path, reward_path=cfg.reward_path,
                           pad_id=tokenizer.pad_token_id, total_updates=total_steps * cfg.updates_per_step)
     trained = Trainables(models.actor, models.critic, ParamEMA(models.actor.module, cfg.ema_beta) if cfg.enable_ema else None)
-    maker = ExperienceMaker(cfg, models, tokenizer, reward_fn)
+    maker = ExperienceMaker(cfg, models, tokenizer, reward_fns)
     evaluate = HeldOutEval(maker, prompts.eval, prompts.eval_rows, cfg.per_device_generation_batch_size)
     settings, kl_ctl = UpdateSettings.from_config(cfg), kl_controller(cfg)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, cfg.algo)
@@ -202,7 +204,7 @@ def main() -> None:
     progress = Progress(prompts=BatchStream(loader), ptx=ptx_batches(cfg, tokenizer))
     restored = run_state.restore()
     if restored:
-        progress.restore(restored, kl_ctl, trained.ema, maker.reward_norm)
+        progress.restore(restored, kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
     elif len(evaluate):
         evaluate_at(0, evaluate, progress, logger)
     guard = NonFiniteGuard(cfg.max_nonfinite_steps, functools.partial(operator.attrgetter("last_saved"), run_state))
@@ -236,7 +238,7 @@ def main() -> None:
         if len(evaluate) and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
             evaluate_at(step, evaluate, progress, logger, write=bar.write)
         if run_state.due(step):
-            progress.save(run_state, kl_ctl, trained.ema, maker.reward_norm)
+            progress.save(run_state, kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
         bar.update(1)
     bar.close()
     seconds = time.time() - t_start

@@ -18,6 +18,7 @@ def files(tmp_path_factory):
     (d / "ok.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"}) + "\n" for i in range(10)))
     (d / "a_file").write_text("x")
     (d / "raises.py").write_text("def reward(prompts, responses, rows):\n    raise ValueError('boom')\n")
+    (d / "nan_reward.py").write_text("def reward(prompts, responses, rows):\n    return [float('nan')] * len(responses)\n")
     return d
 
 
@@ -37,6 +38,8 @@ CASES = {
     "offload without ZeRO": ("step1", ["--data_path", "{d}/ok.jsonl", "--offload"], "--offload needs --zero_stage 1, 2 or 3"),
     "reward function raises": ("step3", ["--data_path", "{d}/ok.jsonl", "--reward_fn", "raises:reward"],
                                "reward function raises:reward raised ValueError: boom on sample 0"),
+    "reward function returns nan": ("step3", ["--data_path", "{d}/ok.jsonl", "--reward_fn", "nan_reward:reward:2"],
+                                    "reward function nan_reward:reward returned nan for sample 0"),
     "unknown reward function": ("step3", ["--data_path", "{d}/ok.jsonl", "--reward_fn", "nosuchmod:fn"], "cannot import module nosuchmod"),
 }
 

@@ -52,3 +52,18 @@ def test_paired_change_of_a_reward_part():
     assert (g["ci_low"], g["ci_high"]) == (pytest.approx(-half), pytest.approx(half))
     assert paired_gain(before, after)["mean"] == pytest.approx(0.0)  # the reward: 2 x acc
     assert paired_gain(before, after, "missing")["n"] == 0
+
+
+def test_evaluation_reads_the_running_reward_moments_and_never_updates_them():
+    """--normalize_reward: a held-out batch is normalised with the moments of the training scores so far; it must
+    not move them, or held-out prompts would shape training (and a run would depend on --eval_interval)."""
+    from rlhfkit.algos import RunningMoments
+    from rlhfkit.ppo.collect import ExperienceMaker
+
+    maker = SimpleNamespace(cfg=SimpleNamespace(truncated_reward=None, overlong_buffer_len=0), reward_norm=RunningMoments())
+    out = ExperienceMaker.shaped(maker, torch.tensor([1.0, 3.0]), None, training=True)  # mean 2, var 1
+    torch.testing.assert_close(out, torch.tensor([-1.0, 1.0]))
+    state = maker.reward_norm.state_dict()
+    out = ExperienceMaker.shaped(maker, torch.tensor([10.0]), None, training=False)
+    torch.testing.assert_close(out, torch.tensor([8.0]))
+    assert maker.reward_norm.state_dict() == state

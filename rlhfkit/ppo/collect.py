@@ -21,7 +21,7 @@ from rlhfkit.algos import RunningMoments, masked_moments, overlong_penalty
 from rlhfkit.experience import Experience, actor_forward, critic_forward
 from rlhfkit.models import sequence_scores
 from rlhfkit.ppo.models import PPOModels
-from rlhfkit.rewards import call_reward_fn
+from rlhfkit.rewards import RewardFunctions
 from rlhfkit.rollout import GenerationConfig, PromptBatch, RolloutBatch
 from rlhfkit.faults import crash_point
 
@@ -51,8 +51,8 @@ def part_means(parts: dict[str, list], weights: Optional[torch.Tensor] = None) -
 class ExperienceMaker:
     """Turns prompt batches into experience with step 3's models, reward sources and settings."""
 
-    def __init__(self, cfg: Any, models: PPOModels, tokenizer: Any, reward_fn: Optional[Any]):
-        self.cfg, self.models, self.tokenizer, self.reward_fn = cfg, models, tokenizer, reward_fn
+    def __init__(self, cfg: Any, models: PPOModels, tokenizer: Any, reward_fns: RewardFunctions):
+        self.cfg, self.models, self.tokenizer, self.reward_fns = cfg, models, tokenizer, reward_fns
         self.pad = tokenizer.pad_token_id
         self.reward_norm = RunningMoments() if cfg.normalize_reward else None  # its state goes into training states
         self.device = models.actor.device
@@ -65,29 +65,29 @@ class ExperienceMaker:
                                          top_p=1.0, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad)
         self.eval_samples = 1 if cfg.eval_greedy else cfg.eval_n_samples_per_prompt  # responses per held-out prompt
 
-    def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list]) -> torch.Tensor:
-        """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward function,
+    def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list], training: bool = True) -> torch.Tensor:
+        """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward functions,
         weighted. ``parts`` collects per-sample reward components for the metrics."""
         cfg = self.cfg
         total = torch.zeros(len(batch), device=self.device)
         if self.models.reward is not None:
             total += cfg.reward_model_weight * self.models.no_grad_forward("reward", sequence_scores, batch.sequences,
                                                                            batch.attention_mask)
-        if self.reward_fn is not None:
+        if self.reward_fns:
             prompts = self.tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
             responses = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
-            extra = {"format_bonus": cfg.format_bonus, "parts": parts} if cfg.reward_fn == "gsm8k" else {}
-            scores = call_reward_fn(cfg.reward_fn, self.reward_fn, prompts, responses, list(rows), **extra)
-            total += cfg.reward_fn_weight * torch.tensor(scores, device=self.device)
+            total += self.reward_fns.score(prompts, responses, list(rows), parts, self.device, dist.all_reduce_sum, training,
+                                           gsm8k_kwargs={"format_bonus": cfg.format_bonus})
         return total
 
-    def shaped(self, raw: torch.Tensor, batch: RolloutBatch) -> torch.Tensor:
-        """The scores the advantages see: normalised by the running mean and std of all the scores so far
-        (--normalize_reward), then a truncated response's replaced (--truncated_reward), DAPO's overlong
-        penalty added (--overlong_buffer_len)."""
+    def shaped(self, raw: torch.Tensor, batch: RolloutBatch, training: bool = True) -> torch.Tensor:
+        """The scores the advantages see: normalised by the running mean and std of all the training scores so
+        far (--normalize_reward; a held-out evaluation reads them, never updates them), then a truncated
+        response's replaced (--truncated_reward), DAPO's overlong penalty added (--overlong_buffer_len)."""
         cfg, scores = self.cfg, raw.clone()
         if self.reward_norm is not None:
-            self.reward_norm.update(*dist.all_reduce_sum(masked_moments(raw, torch.ones_like(raw))).tolist())
+            if training:
+                self.reward_norm.update(*dist.all_reduce_sum(masked_moments(raw, torch.ones_like(raw))).tolist())
             scores = self.reward_norm.normalize(scores)
         if cfg.truncated_reward is not None:
             scores = torch.where(batch.truncated.to(self.device), torch.full_like(scores, cfg.truncated_reward), scores)
@@ -124,12 +124,12 @@ class ExperienceMaker:
                 old_lp, _ = models.no_grad_forward("actor", actor_forward, seqs, attn, P, temperature, False, groups)
         ref_lp, _ = models.no_grad_forward("ref", actor_forward, seqs, attn, P, temperature, False, groups)
         values = models.no_grad_forward("critic", critic_forward, seqs, attn, P) if models.critic is not None else None
-        raw = self.score(batch, rows, parts)
+        raw = self.score(batch, rows, parts, training)
         amask = batch.action_mask.float()
         loss_mask = amask * (~batch.truncated).float()[:, None].to(self.device) if cfg.mask_truncated else amask
         zeros = torch.zeros_like(amask)
         exp = Experience(sequences=seqs, attention_mask=attn, action_mask=amask, loss_mask=loss_mask, old_logprobs=old_lp,
-                         ref_logprobs=ref_lp, values=values, scores=self.shaped(raw, batch), raw_scores=raw, rewards=zeros,
+                         ref_logprobs=ref_lp, values=values, scores=self.shaped(raw, batch, training), raw_scores=raw, rewards=zeros,
                          advantages=zeros, returns=zeros, kl=zeros, truncated=batch.truncated.to(self.device), prompt_len=P)
         return exp, time.time() - t0 - t_gen, t_gen
 

@@ -1,6 +1,6 @@
 """Where a step-3 run stands, beside its engines and RNGs: what a training state records so that a
 resumed run continues exactly (the step, the counters, the position in the prompts and PTX data, the
-KL coefficient, the running reward moments, the evaluations so far, each rank's EMA shard)."""
+KL coefficient, the running reward moments (the total's and each reward function's), the evaluations so far, each rank's EMA shard)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ class Progress:
     tokens: float = 0.0  # response tokens trained on, all ranks
     evals: list[dict] = field(default_factory=list)  # {"step": N, metric: value} of each held-out evaluation
 
-    def restore(self, restored: dict, kl_ctl: Any, ema: Optional[Any], reward_norm: Optional[Any] = None) -> None:
+    def restore(self, restored: dict, kl_ctl: Any, ema: Optional[Any], reward_norm: Optional[Any] = None,
+                reward_fns: Optional[Any] = None) -> None:
         """Continue from a training state (``RunState.restore()``'s result)."""
         c, extra = restored["counters"], restored["extra"]
         self.step, self.samples, self.tokens = c["step"], c["samples"], c["tokens"]
@@ -33,15 +34,19 @@ class Progress:
         self.evals = extra["evals"]
         if reward_norm is not None:
             reward_norm.load_state_dict(extra["reward_norm"])
+        if reward_fns is not None and extra.get("reward_fn_norms"):
+            reward_fns.load_state_dict(extra["reward_fn_norms"])
         if ema is not None:
             ema.load_state_dict(restored["rank_extra"]["ema"])
 
-    def save(self, run_state: Any, kl_ctl: Any, ema: Optional[Any], reward_norm: Optional[Any] = None) -> None:
+    def save(self, run_state: Any, kl_ctl: Any, ema: Optional[Any], reward_norm: Optional[Any] = None,
+             reward_fns: Optional[Any] = None) -> None:
         """Write a training state at the current step."""
         counters = {"samples": self.samples, "tokens": self.tokens, "prompts": self.prompts.position(),
                     **({"ptx": self.ptx.position()} if self.ptx is not None else {})}
         extra = {"kl_ctl": kl_ctl.state_dict(), "evals": self.evals,
-                 **({"reward_norm": reward_norm.state_dict()} if reward_norm is not None else {})}
+                 **({"reward_norm": reward_norm.state_dict()} if reward_norm is not None else {}),
+                 **({"reward_fn_norms": reward_fns.state_dict()} if reward_fns else {})}
         run_state.save(self.step, counters, extra=extra,
                        rank_extra={"ema": ema.state_dict()} if ema is not None else None)
 

@@ -9,6 +9,7 @@ prompt text, the decoded response, and each sample's dataset row (``Example.meta
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from typing import Any, Callable, Optional
 
@@ -114,4 +115,9 @@ def call_reward_fn(name: str, fn: RewardFn, prompts: list, responses: list, rows
         raise RlhfkitError(f"reward function {name} raised {type(e).__name__}: {e}{sample}") from None
     if len(scores) != len(responses):
         raise RlhfkitError(f"reward function {name} returned {len(scores)} scores for {len(responses)} samples")
-    return [float(s) for s in scores]
+    out = [float(s) for s in scores]
+    for i, s in enumerate(out):
+        if not math.isfinite(s):
+            raise RlhfkitError(f"reward function {name} returned {s} for sample {i} (prompt {prompts[i][:80]!r}, response "
+                               f"{responses[i][:80]!r}): rewards must be finite numbers")
+    return out
