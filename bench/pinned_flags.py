@@ -53,4 +53,9 @@ STEP3_UNSET = {
     "tensorboard_path": "none: TensorBoard is off", "resume": "none: a fresh run", "target_kl": "none: a fixed KL coefficient",
     "truncated_reward": "none: truncated responses keep their score", "clip_eps_low": "none: --cliprange",
     "clip_eps_high": "none: --cliprange", "prompt_suffix": "none", "unsupervised_dataset_name": "none: no PTX loss",
+    # flags newer than the benches' base revisions: their defaults are the old behaviour, and pinning them
+    # would make an older tree refuse the command line
+    "policy_loss": "ppo: the token-level clipped ratio", "entropy_coef": "0: no entropy bonus",
+    "scale_rewards": "none: the algorithm's own", "kl_placement": "none: the algorithm's own",
+    "loss_norm_constant": "none: --max_answer_seq_len", "normalize_reward_fns": "false",
 }

@@ -4,22 +4,29 @@ the reference model, and the values derived from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from rlhfkit.config import (
     DataArgs, DeepSpeedArgs, LogArgs, LoraArgs, ModelArgs, OptimArgs, PairArgs, arg, check_common, require,
 )
 from rlhfkit.errors import ConfigError
 
-LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
+REFERENCE_FREE = ("simpo",)  # loss types that load no reference model
 
 
 @dataclass
 class DPOArgs:
-    beta: float = arg(0.1, "DPO temperature beta: strength of the implicit KL to the reference (larger: stay closer).")
+    beta: Optional[float] = arg(None, "Temperature beta. DPO/IPO/cDPO: strength of the implicit KL to the reference (larger: "
+                                      "stay closer), default 0.1; SimPO: scale of its length-normalised reward, default 2.0 "
+                                      "(the paper's range is 2-2.5).")
     label_smoothing: float = arg(
         0.0, "Conservative DPO (Mitchell 2023): assumed probability that a preference label is flipped, in [0, 0.5). "
-             "sigmoid loss only.")
-    loss_type: str = arg("sigmoid", "sigmoid (DPO) or ipo (IPO, Azar et al. 2023; on summed response log-probs).")
+             "sigmoid loss only; --loss_type cdpo is the same, with 0.1 when this is 0.")
+    loss_type: str = arg("sigmoid", "sigmoid (DPO, Rafailov et al. 2023), ipo (IPO, Azar et al. 2023; on summed response "
+                                    "log-probs), cdpo (conservative DPO: sigmoid with --label_smoothing, default 0.1), simpo "
+                                    "(SimPO, Meng et al. 2024: reference-free, length-normalised; no reference model is loaded).")
+    simpo_gamma: float = arg(1.0, "SimPO's target reward margin gamma (the paper: gamma / beta about 0.5, so 1.0 with beta 2).")
     offload_reference_model: bool = arg(
         False, "Keep the frozen reference's parameters in CPU memory (ZeRO-3 parameter offload; the reference runs "
                "ZeRO-3 even when --zero_stage is lower).")
@@ -39,7 +46,11 @@ class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs
         require(self, "model_name_or_path", "data_path", "output_dir")
         check_common(self)
         if self.loss_type not in LOSS_TYPES:
-            raise ConfigError(f"--loss_type {self.loss_type}: use {' or '.join(LOSS_TYPES)}")
+            raise ConfigError(f"--loss_type {self.loss_type}: use {', '.join(LOSS_TYPES)}")
+        if self.beta is None:
+            self.beta = 2.0 if self.loss_type == "simpo" else 0.1
+        if self.loss_type == "cdpo":  # conservative DPO is the sigmoid loss with label smoothing
+            self.loss_type, self.label_smoothing = "sigmoid", self.label_smoothing or 0.1
         if not self.beta > 0:
             raise ConfigError(f"--beta must be > 0 (got {self.beta})")
         if not 0 <= self.label_smoothing < 0.5:
@@ -48,6 +59,11 @@ class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs
             raise ConfigError("--label_smoothing applies to --loss_type sigmoid only")
         if self.keep_reference_copy and not self.reference_on_copy:
             raise ConfigError("--keep_reference_copy keeps the copy of --reference_on_copy: set that too (or drop it)")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss needs the frozen reference model (SimPO does not)."""
+        return self.loss_type not in REFERENCE_FREE
 
     @property
     def reference_zero_stage(self) -> int:

@@ -7,9 +7,10 @@ The policy starts from --model_name_or_path (the step-1 model) and the same dire
 second time and frozen, is the reference. Each pair is one row in training (--pack_pairs: the prompt
 once, then the chosen and the rejected response, each attending to the prompt and itself); evaluation
 runs chosen rows then rejected rows ([2B, T]). One forward per model scores both sides.
-Loss (Rafailov et al. 2023; IPO, Azar et al. 2023):
+Loss (Rafailov et al. 2023; IPO, Azar et al. 2023; SimPO, Meng et al. 2024):
     h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      ipo: (h - 1 / (2 beta))^2
+    simpo:   -log sigmoid(beta / |y_w| log pi(y_w|x) - beta / |y_l| log pi(y_l|x) - gamma)   (no reference)
 with log pi(y|x) the sum of the response tokens' log-probs. Writes a 'dpo' checkpoint directory
 (an actor: it loads with AutoModelForCausalLM).
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from rlhfkit import distributed as dist  # noqa: E402
-from rlhfkit.algos import dpo_loss  # noqa: E402
+from rlhfkit.algos import dpo_loss, simpo_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import config_dict  # noqa: E402
 from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
@@ -34,7 +35,7 @@ from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.engines import batch_plan, build_frozen_engine, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
-from rlhfkit.models import attention_kernel_of, load_model, load_tokenizer, pair_logprobs  # noqa: E402
+from rlhfkit.models import attention_kernel_of, load_model, load_tokenizer, pair_logprobs, pair_response_lengths  # noqa: E402
 from rlhfkit.models.gathered import GatheredCopy  # noqa: E402
 from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
@@ -77,22 +78,26 @@ class DPOObjective:
     """The DPO loss of the policy against the reference over this rank's pairs, with the implicit
     rewards beta * (log pi - log ref): the training loss and the held-out evaluation."""
 
-    def __init__(self, policy: Any, reference: Reference, cfg: DPOConfig):
+    def __init__(self, policy: Any, reference: Optional[Reference], cfg: DPOConfig):
         self.policy, self.reference = policy, reference
-        self.beta, self.label_smoothing, self.loss_type = cfg.beta, cfg.label_smoothing, cfg.loss_type
+        self.beta, self.label_smoothing, self.loss_type, self.gamma = cfg.beta, cfg.label_smoothing, cfg.loss_type, cfg.simpo_gamma
 
     def __call__(self, batch: dict, keep: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
-        """Policy forward (with grad), reference forward (no grad), DPO loss over the pairs ``keep``
-        selects (all by default) -> (loss, chosen rewards, rejected rewards, policy log-probs of both)."""
-        policy_chosen, policy_rejected = pair_logprobs(self.policy, batch)
-        ref_chosen, ref_rejected = self.reference.logprobs(batch)
+        """Policy forward (with grad), reference forward (no grad; none for SimPO), the loss over the pairs
+        ``keep`` selects (all by default) -> (loss, chosen rewards, rejected rewards, policy log-probs of both)."""
+        policy = pair_logprobs(self.policy, batch)
+        if self.loss_type == "simpo":  # reference-free: the response lengths take the reference's place
+            others = pair_response_lengths(batch)
+        else:
+            others = self.reference.logprobs(batch)
         if keep is not None:  # evaluation: drop the padding pairs
-            policy_chosen, policy_rejected, ref_chosen, ref_rejected = (
-                t[keep] for t in (policy_chosen, policy_rejected, ref_chosen, ref_rejected))
-        loss, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                                                          beta=self.beta, label_smoothing=self.label_smoothing,
-                                                          loss_type=self.loss_type)
-        return loss, chosen_rewards, rejected_rewards, policy_chosen.detach(), policy_rejected.detach()
+            policy, others = tuple(t[keep] for t in policy), tuple(t[keep] for t in others)
+        if self.loss_type == "simpo":
+            loss, chosen_rewards, rejected_rewards = simpo_loss(*policy, *others, beta=self.beta, gamma=self.gamma)
+        else:
+            loss, chosen_rewards, rejected_rewards = dpo_loss(*policy, *others, beta=self.beta,
+                                                              label_smoothing=self.label_smoothing, loss_type=self.loss_type)
+        return loss, chosen_rewards, rejected_rewards, policy[0].detach(), policy[1].detach()
 
     def train_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """The training loss: the mean over the rank's pairs (equal pair counts on every rank, so
@@ -173,12 +178,12 @@ def main() -> None:
     engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=pad,
                               row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
 
-    # 4. The reference: the same directory loaded again, frozen (see Reference).
-    reference = Reference(cfg, engine, pad, plan.micro_batch)
+    # 4. The reference: the same directory loaded again, frozen (see Reference); SimPO has none.
+    reference = Reference(cfg, engine, pad, plan.micro_batch) if cfg.uses_reference else None
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "dpo")
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} pairs "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation); "
-                     f"{reference.description}")
+                     f"{reference.description if reference else 'no reference model (' + cfg.loss_type + ')'}")
 
     # 5. Train on the DPO loss, evaluating on the held-out pairs before, every --eval_interval steps and after.
     dpo = DPOObjective(engine, reference, cfg)

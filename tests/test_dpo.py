@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from rlhfkit.algos import IGNORE_INDEX
-from rlhfkit.models import at_predicting_column, packed_sequence_logprobs, response_labels, sequence_logprobs
+from rlhfkit.models import (
+    at_predicting_column, packed_sequence_logprobs, pair_response_lengths, response_labels, sequence_logprobs,
+)
 from test_step1_sft import load_plain
 from testutils import run_program
 
@@ -86,6 +88,36 @@ def test_dpo_ipo_one_rank_zero0_lora_offloaded_reference(tiny_dir, pref_data, tm
     load_plain(out)  # LoRA merged into plain weights
 
 
+def test_simpo_is_reference_free_and_learns_preferences(tiny_dir, pref_data, tmp_path):
+    out = tmp_path / "simpo"
+    proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, out, "--loss_type", "simpo", "--max_steps", "6",
+                                                     "--learning_rate", "1e-3"), nprocs=0)
+    assert "no reference model (simpo)" in proc.stdout and "reference ZeRO" not in proc.stdout
+    train, evals = read_log(out)
+    before, after = evals[0], evals[-1]
+    # held-out rewards are beta / |y| * log pi(y|x) with beta 2 (SimPO's default); the policy learns the chosen side
+    assert before["chosen_reward"] < 0 and before["rejected_reward"] < 0
+    assert after["accuracy"] > before["accuracy"] and after["loss"] < before["loss"], evals
+    config = json.loads((out / "rlhfkit.json").read_text())["config"]
+    assert (config["loss_type"], config["beta"], config["simpo_gamma"]) == ("simpo", 2.0, 1.0)
+
+
+def test_loss_type_defaults():
+    from step2_dpo.config import DPOConfig
+
+    def validated(**flags):
+        cfg = DPOConfig(model_name_or_path="m", data_path=["d"], output_dir="o", **flags)
+        cfg.validate()
+        return cfg
+
+    cdpo = validated(loss_type="cdpo")  # conservative DPO: the sigmoid loss with label smoothing 0.1 unless given
+    assert (cdpo.loss_type, cdpo.label_smoothing, cdpo.beta, cdpo.uses_reference) == ("sigmoid", 0.1, 0.1, True)
+    assert validated(loss_type="cdpo", label_smoothing=0.2).label_smoothing == 0.2
+    simpo = validated(loss_type="simpo")
+    assert (simpo.beta, simpo.simpo_gamma, simpo.uses_reference) == (2.0, 1.0, False)
+    assert validated(loss_type="simpo", beta=2.5).beta == 2.5
+
+
 def test_bad_dpo_flags_fail_clearly(tiny_dir, pref_data, tmp_path):
     proc = run_program("step2_dpo/main.py", dpo_args(tiny_dir, pref_data, tmp_path / "o", "--loss_type", "ipo",
                                                      "--label_smoothing", "0.1"), nprocs=0, check=False)
@@ -150,9 +182,15 @@ def test_packed_pairs_give_the_logprobs_and_gradients_of_two_rows(tiny_dir, toke
         loss.backward()
         return chosen.detach(), rejected.detach(), loss.detach(), [p.grad.clone() for p in model.parameters()]
 
-    want = run(sequence_logprobs, collate_pairs(features, tokenizer.pad_token_id))
-    got = run(packed_sequence_logprobs, collate_packed_pairs(features, tokenizer.pad_token_id))
+    unpacked, packed = collate_pairs(features, tokenizer.pad_token_id), collate_packed_pairs(features, tokenizer.pad_token_id)
+    want = run(sequence_logprobs, unpacked)
+    got = run(packed_sequence_logprobs, packed)
     assert want[1][-1] == 0  # the empty rejected side sums nothing, packed or not
+    # SimPO's lengths: the response tokens each side sums, the same from either layout, counted by hand here
+    lengths = [torch.tensor([len(f[k]) - f["prompt_len"] for f in features]) for k in ("chosen_input_ids", "rejected_input_ids")]
+    for batch in (unpacked, packed):
+        got_lengths = pair_response_lengths(batch)
+        assert all(torch.equal(g, w) for g, w in zip(got_lengths, lengths)) and lengths[1][-1] == 0
     for g, w in zip(got[:3], want[:3]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
     for g, w in zip(got[3], want[3]):

@@ -18,6 +18,7 @@ from .losses import (
     pairwise_loss,
     ppo_policy_loss,
     sft_loss,
+    simpo_loss,
 )
 from .stats import (
     entropy_from_logits,
@@ -65,6 +66,7 @@ __all__ = [
     "pairwise_loss",
     "sft_loss",
     "dpo_loss",
+    "simpo_loss",
     # controllers / EMA
     "FixedKLController",
     "AdaptiveKLController",

@@ -28,6 +28,7 @@ __all__ = [
     "pairwise_loss",
     "sft_loss",
     "dpo_loss",
+    "simpo_loss",
 ]
 
 IGNORE_INDEX = -100  # label of a token that carries no loss (prompt, padding): torch's cross-entropy default
@@ -309,3 +310,24 @@ def dpo_loss(
     chosen_rewards = (beta * (pc - rc)).detach()
     rejected_rewards = (beta * (pr - rr)).detach()
     return losses.mean(), chosen_rewards, rejected_rewards
+
+
+def simpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    beta: float,
+    gamma: float,
+):
+    """SimPO (Meng et al. 2024), reference-free, over P pairs [P] -> (loss, chosen_rewards, rejected_rewards).
+
+      r_w = beta / |y_w| * log pi(y_w|x),   r_l = beta / |y_l| * log pi(y_l|x)   (length-normalised rewards)
+      loss = mean_p -log sigmoid(r_w - r_l - gamma)
+    |y| the response's token count (at least 1). gamma is the target reward margin; TRL's CPO trainer takes
+    it as ``simpo_gamma`` / beta ("gamma_beta_ratio"). Rewards detached; fp32.
+    """
+    chosen = beta * policy_chosen_logps.float() / chosen_lengths.float().clamp_min(1)
+    rejected = beta * policy_rejected_logps.float() / rejected_lengths.float().clamp_min(1)
+    losses = -F.logsigmoid(chosen - rejected - gamma)
+    return losses.mean(), chosen.detach(), rejected.detach()

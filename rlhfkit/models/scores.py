@@ -126,6 +126,15 @@ def packed_sequence_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tupl
             (lp * at_predicting_column(rejected_rest, False)).sum(-1) + first_lp)
 
 
+def pair_response_lengths(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [B], rejected [B]) response token counts of either pair batch: the tokens whose log-probs
+    :func:`pair_logprobs` sums."""
+    if "pair_mask" in batch:
+        c_end = batch["chosen_end"] + 1
+        return c_end - batch["prompt_len"], batch["attention_mask"].sum(-1) - c_end
+    return (response_labels(batch) != IGNORE_INDEX).sum(-1).chunk(2)
+
+
 def pair_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [B], rejected [B]) summed response log-probs of either pair batch: packed when it has a ``pair_mask``."""
     return (packed_sequence_logprobs if "pair_mask" in batch else sequence_logprobs)(model, batch)

@@ -19,6 +19,7 @@ from rlhfkit.algos import (
     pairwise_loss,
     ppo_policy_loss,
     sft_loss,
+    simpo_loss,
 )
 
 MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -204,6 +205,25 @@ def test_dpo_sigmoid_by_hand_with_label_smoothing():
     loss, _, _ = dpo_loss(pc, pr, rc, rr, beta, label_smoothing=ls)
     expected = sum(-(1 - ls) * logsig(beta * x) - ls * logsig(-beta * x) for x in h) / 2
     assert loss.item() == pytest.approx(expected)
+
+
+def test_simpo_by_hand_and_by_autograd():
+    # log pi(y_w) = -4 over 2 tokens, log pi(y_l) = -9 over 3; beta 2, gamma 1:
+    # r_w = 2 * -2 = -4, r_l = 2 * -3 = -6, loss = -log sigmoid(-4 + 6 - 1) = log(1 + e^-1)
+    pc, pr = torch.tensor([-4.0], requires_grad=True), torch.tensor([-9.0], requires_grad=True)
+    loss, rw, rl = simpo_loss(pc, pr, torch.tensor([2]), torch.tensor([3]), beta=2.0, gamma=1.0)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-1)))
+    assert (rw.item(), rl.item()) == (-4.0, -6.0)
+    loss.backward()
+    s = 1 / (1 + math.exp(1))  # d/dz of -log sigmoid(z) at z = 1 is -(1 - sigmoid(1)) = -sigmoid(-1)
+    assert pc.grad.item() == pytest.approx(-s * 2.0 / 2) and pr.grad.item() == pytest.approx(s * 2.0 / 3)
+    # TRL's CPO form: beta * ((pc/|w| - pr/|l|) - gamma / beta)
+    trl = -F.logsigmoid(torch.tensor(2.0 * ((-4.0 / 2 - -9.0 / 3) - 1.0 / 2.0)))
+    assert loss.item() == pytest.approx(trl.item())
+    # a mean over pairs, and an empty side (length 0) counts as length 1
+    loss2, _, _ = simpo_loss(torch.tensor([-4.0, -1.0]), torch.tensor([-9.0, 0.0]), torch.tensor([2, 1]),
+                             torch.tensor([3, 0]), beta=2.0, gamma=1.0)
+    assert loss2.item() == pytest.approx((math.log(1 + math.exp(-1)) - F.logsigmoid(torch.tensor(-2.0 - 0.0 - 1.0)).item()) / 2)
 
 
 def test_ipo_by_hand():
