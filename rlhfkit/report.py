@@ -95,6 +95,9 @@ PLOTS: dict[str, tuple[PlotSpec, ...]] = {
                  "reward", band="eval/reward_se"),
         PlotSpec("eval_kl", "Held-out KL to the reference (k3 on the actor's samples)", ("eval/kl_per_token",), "nats per token",
                  right=("eval/kl_per_seq",), right_label="nats per sequence"),
+        # the gsm8k rule's parts: training samples each step, held-out prompts at each evaluation
+        PlotSpec("gsm8k", "GSM8K rule: accuracy and answer format", ("reward/gsm8k_accuracy", "reward/gsm8k_format",
+                                                                     "eval/gsm8k_accuracy", "eval/gsm8k_format"), "rate"),
     ),
 }
 

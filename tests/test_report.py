@@ -93,6 +93,19 @@ def test_report_writes_every_plot_and_the_headline_table(run_dir, tmp_path, caps
     assert "| value/loss | 6 | 1 | 0.1667 | 0.1667 | 1 |" in md  # per-stage detail table
 
 
+def test_gsm8k_rule_parts_get_their_plot(tmp_path):
+    """A rule-rewarded run's accuracy and answer-format rates, per training step and at each evaluation."""
+    run = tmp_path / "run"
+    train = [rec("grpo", s, reward__score_mean=0.1 * s, reward__gsm8k_accuracy=0.01 * s, reward__gsm8k_format=0.1 * s)
+             for s in range(1, 5)]
+    evals = [rec("grpo", s, eval__reward=0.1, eval__gsm8k_accuracy=0.02, eval__gsm8k_format=0.1 + 0.2 * s) for s in (0, 4)]
+    write_log(run / "grpo", train + evals)
+    report = write_report(run, tmp_path / "rep", echo=False)
+    assert (report.parent / "grpo_gsm8k.png").exists() and "](grpo_gsm8k.png)" in report.read_text()
+    write_log(tmp_path / "plain" / "grpo", [rec("grpo", s, reward__score_mean=0.1 * s) for s in range(1, 3)])
+    assert not (write_report(tmp_path / "plain", tmp_path / "rep2", echo=False).parent / "grpo_gsm8k.png").exists()
+
+
 def test_step3_held_out_learning_curve(tmp_path):
     """Step 3's held-out evaluation (eval/*, logged at step 0 and every --eval_interval) gets its own plots, the
     reward with a shaded 95% band (+- 1.96 standard errors over prompts), and its first -> last in the headline."""
