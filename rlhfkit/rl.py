@@ -161,10 +161,8 @@ def reinforce_pp(spec: AlgoSpec, x: AdvantageInputs) -> Advantages:
 
 def batch_reward_std(seq_scores: torch.Tensor, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The unbiased std of the sequence rewards of the whole global batch (all ranks)."""
-    x = seq_scores.double()
-    n, total, total_sq = all_reduce_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
-                                                     x.sum(), x.square().sum()])).tolist()
-    return torch.tensor(max(total_sq - total * total / n, 0.0) / max(n - 1, 1)).sqrt().float()
+    _, var = mean_var_from_moments(all_reduce_sum(masked_moments(seq_scores, torch.ones_like(seq_scores))))
+    return var.sqrt()
 
 
 def _group_relative(method: str, spec: AlgoSpec, x: AdvantageInputs) -> Advantages:

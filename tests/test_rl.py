@@ -113,7 +113,7 @@ def test_scale_rewards_by_hand_and_batch_std_over_two_ranks():
     halves = []
     for mine, other in ((slice(0, 2), slice(2, 4)), (slice(2, 4), slice(0, 2))):
         o = scores[other].double()
-        theirs = torch.stack([torch.tensor(2.0, dtype=torch.float64), o.sum(), o.square().sum()])
+        theirs = torch.stack([o.sum(), o.square().sum(), torch.tensor(2.0, dtype=torch.float64)])  # masked_moments' order
         halves.append(advantages("grpo", scores=scores[mine], logprobs=z[mine], ref_logprobs=z[mine], mask=mask[mine],
                                  scale_rewards="batch", all_reduce_sum=lambda t, x=theirs: t + x).advantages)
     torch.testing.assert_close(torch.cat(halves), batch.advantages)

@@ -15,7 +15,7 @@ import torch
 
 from rlhfkit.algos import RunningMoments, masked_moments
 from rlhfkit.errors import ConfigError
-from rlhfkit.rewards.rules import RewardFn, call_reward_fn, load_reward_fn  # noqa: F401 (RewardFn: the type)
+from rlhfkit.rewards.rules import RewardFn, call_reward_fn, load_reward_fn
 
 
 def parse_reward_spec(spec: str, default_weight: float) -> tuple[str, float]:
