@@ -204,20 +204,23 @@ def add_best_of_n_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_make_arithmetic(args: argparse.Namespace) -> None:
     from rlhfkit.data.arithmetic import write_problems
 
-    path = write_problems(args.out, args.n, args.seed)
-    print(f"{args.n} problems (seed {args.seed}) written to {path}\n"
+    path = write_problems(args.out, args.n, args.seed, args.level)
+    print(f"{args.n} {args.level} problems (seed {args.seed}) written to {path}\n"
           f"next: step3_ppo/main.py --algo grpo --reward_fn gsm8k --data_path {path} --data_split 0,0,1 ...")
 
 
 def add_make_arithmetic_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "make-arithmetic", help="write seeded arithmetic word problems (GSM8K rows) for a rule-rewarded run",
-        description="One- and two-operation word problems on small whole numbers, as GSM8K JSONL rows "
+        description="One- and two-operation word problems on small whole numbers (--level mixed), or one "
+                    "operation on numbers up to 20 (--level easy), as GSM8K JSONL rows "
                     "({question, answer ending in '#### n'}): the gsm8k reward grades them. The same --n and --seed "
                     "give the same file.")
     p.add_argument("--out", required=True, help="output .jsonl file")
     p.add_argument("--n", type=int, default=2000, help="how many distinct problems")
     p.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    p.add_argument("--level", choices=["mixed", "easy"], default="mixed",
+                   help="mixed: one or two operations, numbers up to 60; easy: one operation, numbers up to 20")
     p.set_defaults(func=cmd_make_arithmetic)
 
 

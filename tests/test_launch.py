@@ -286,10 +286,11 @@ def test_rule_rewards_tasks(launch_env, tmp_path):
     out = launch_env("launch/rule_rewards.sh", "--task", "arithmetic", "--out", str(tmp_path / "a"), "--model", "m",
                      "--steps", "3").stdout
     make, grpo = commands(out)
-    data = str(tmp_path / "a" / "data" / "arithmetic.jsonl")
-    assert make[1:] == ["make-arithmetic", "--out", data, "--n", "2000", "--seed", "0"]
+    data = str(tmp_path / "a" / "data" / "arithmetic-easy.jsonl")
+    assert make[1:] == ["make-arithmetic", "--out", data, "--n", "2000", "--seed", "0", "--level", "easy"]
     assert flag(grpo, "--data_path") == data and flag(grpo, "--actor_model_name_or_path") == "m"
-    assert flag(grpo, "--max_steps") == "3" and flag(grpo, "--max_answer_seq_len") == "128"
+    assert flag(grpo, "--max_steps") == "3" and flag(grpo, "--max_answer_seq_len") == "96"
+    assert flag(grpo, "--prompt_suffix") == 'Show the calculation in one line, then the final answer after "####".'
     assert "--eval_greedy" in grpo and flag(grpo, "--temperature") == "0.7"
     proc = launch_env("launch/rule_rewards.sh", "--task", "chess", "--out", str(tmp_path / "c"), check=False)
     assert proc.returncode == 2 and "use gsm8k or arithmetic" in proc.stderr

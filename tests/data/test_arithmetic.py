@@ -54,3 +54,21 @@ def test_read_as_gsm8k_and_graded_by_the_gsm8k_reward(tmp_path):
     gold = [r["answer"].split("#### ")[1] for r in rows]
     responses = [f"So the answer is\n#### {gold[0]}", f"It is {int(gold[1]) + 1}.", f"#### {gold[2]}"]
     assert gsm8k_reward(["q"] * 3, responses, rows, format_bonus=0.5) == [1.5, 0.0, 1.5]
+
+
+EASY_SEED0 = {"question": "Noah shares 20 apples equally among 4 friends. How many apples does each friend get?",
+              "answer": "20 / 4 = 5\n#### 5"}  # 20 / 4 = 5, by hand
+
+
+def test_easy_level_is_one_operation_on_numbers_up_to_20():
+    rows = make_problems(400, seed=5, level="easy")
+    assert {len(r["answer"].split("\n")) for r in rows} == {2}  # one worked step, then '#### n'
+    ops = {r["answer"].split()[1] for r in rows}
+    assert ops == {"+", "-", "*", "/"}
+    for r in rows:
+        a, op, b = r["answer"].split()[:3]
+        assert max(int(a), int(b)) <= (25 if op == "/" else 20), r  # a dividend is a product of two numbers up to 5
+    assert make_problems(1, seed=0, level="easy") == [EASY_SEED0]
+    assert make_problems(50, seed=1) == make_problems(50, seed=1, level="mixed")  # the default level is unchanged
+    with pytest.raises(ValueError, match="level must be one of"):
+        make_problems(3, level="hard")
