@@ -23,6 +23,7 @@ setup(
         "pyarrow",
         "matplotlib",
     ],
-    extras_require={"dev": ["pytest>=8", "pexpect"]},
+    extras_require={"serve": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
+                    "dev": ["pytest>=8", "pexpect", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"]},
     entry_points={"console_scripts": ["rlhfkit=rlhfkit.cli:main"]},
 )

@@ -1,4 +1,5 @@
-"""`rlhfkit` command line: prepare-base, chat, score, eval, report, best-of-n, make-arithmetic.
+"""`rlhfkit` command line: prepare-base, chat, score, eval, report, best-of-n, make-arithmetic,
+serve-rm.
 
 Each command has an ``add_<name>_parser(sub)`` that declares its flags and sets ``func``; the
 command bodies import their modules lazily so ``rlhfkit --help`` stays fast. A new command is one
@@ -224,6 +225,24 @@ def add_make_arithmetic_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_make_arithmetic)
 
 
+# ----------------------------------------------------------------------------------------------
+# serve-rm
+
+
+def cmd_serve_rm(args: argparse.Namespace) -> None:
+    from rlhfkit.serve_rm import serve
+
+    serve(args)
+
+
+def add_serve_rm_parser(sub: argparse._SubParsersAction) -> None:
+    from rlhfkit.serve_rm import DESCRIPTION, add_arguments
+
+    p = sub.add_parser("serve-rm", help="serve a reward model over HTTP for step 3's --reward_url", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve_rm)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
@@ -232,6 +251,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_eval_parser,
     add_best_of_n_parser,
     add_make_arithmetic_parser,
+    add_serve_rm_parser,
 ]
 
 

@@ -58,16 +58,19 @@ def load_reward_model(path: str, dtype: Optional[str], trust_remote_code: bool =
 
 
 def score_responses(model, tokenizer, rows: list[dict], batch_size: int) -> list[float]:
-    """Scores of (prompt, response) rows: prompt through the chat template, response + EOS."""
+    """Scores of (prompt, response) rows, in batches of ``batch_size`` in row order: the prompt through the
+    chat template (``prompt`` a user turn, or ``messages`` a conversation), then the response + EOS.
+    ``rlhfkit serve-rm`` scores with this same function."""
     import torch
 
     from rlhfkit.data import collate_sft, encode_prompt, encode_response
     from rlhfkit.models import sequence_scores
 
-    feats = [{"input_ids": encode_prompt(tokenizer, [{"role": "user", "content": r["prompt"]}]) + encode_response(tokenizer, r["response"]),
-              "labels": []} for r in rows]
-    for f in feats:
-        f["labels"] = f["input_ids"]
+    feats = []
+    for r in rows:
+        messages = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
+        ids = encode_prompt(tokenizer, messages) + encode_response(tokenizer, r["response"])
+        feats.append({"input_ids": ids, "labels": ids})
     out: list[float] = []
     with torch.no_grad():
         for i in range(0, len(feats), batch_size):

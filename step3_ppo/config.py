@@ -28,6 +28,13 @@ class Step3Models(LoadArgs):
     reward_fn_weight: float = arg(1.0, "Weight of a --reward_fn given without its own :WEIGHT.")
     normalize_reward_fns: bool = arg(False, "Normalise each --reward_fn by the running mean and std of its own scores so far "
                                             "(all ranks) before weighting it.")
+    reward_url: list[str] = arg([], "Reward servers (rlhfkit serve-rm, or any server with its schema), one or more, each "
+                                    "URL[:WEIGHT] with the weight after the URL's path (http://host:8000/score:0.5; default "
+                                    "weight --reward_fn_weight). Each is a reward component like a --reward_fn.",
+                                action="extend")
+    reward_url_timeout: float = arg(60.0, "Seconds a --reward_url request may take before it is retried.")
+    reward_url_retries: int = arg(3, "Retries of a failed --reward_url request (exponential backoff from 1 s) before the run "
+                                     "stops with an error naming the URL.")
     reward_model_weight: float = arg(1.0, "Weight of the reward model in the summed reward.")
     format_bonus: float = arg(0.0, "gsm8k: extra reward when the answer is stated as '#### n' or \\boxed{n}.")
     attn_implementation: str = arg("auto", "Attention kernel of the four models, passed to transformers (sdpa, eager, "
@@ -190,8 +197,11 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
         spec = self.spec
         if spec.needs_critic and not self.critic_model_name_or_path:
             raise ConfigError(f"--algo {self.algo} trains a critic: pass --critic_model_name_or_path (a step-2 reward model)")
-        if not (self.reward_fn or self.reward_model_name_or_path or self.critic_model_name_or_path):
-            raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path) and/or --reward_fn")
+        if isinstance(self.reward_url, str):
+            self.reward_url = [self.reward_url]
+        if not (self.reward_fn or self.reward_url or self.reward_model_name_or_path or self.critic_model_name_or_path):
+            raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path), --reward_fn "
+                              "and/or --reward_url")
         if spec.needs_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
         self.validate_objective(spec)

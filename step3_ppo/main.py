@@ -178,7 +178,8 @@ def main() -> None:
 
     # 1. Inputs: checkpoints, reward function, prompts (and PTX data).
     tokenizer = check_inputs(cfg)
-    reward_fns = RewardFunctions.load(cfg.reward_fn, cfg.reward_fn_weight, cfg.normalize_reward_fns)
+    reward_fns = RewardFunctions.load(cfg.reward_fn, cfg.reward_fn_weight, cfg.normalize_reward_fns,
+                                      urls=cfg.reward_url, url_timeout=cfg.reward_url_timeout, url_retries=cfg.reward_url_retries)
     prompts = load_prompts(cfg, tokenizer)
     loader = train_loader(prompts.train, functools.partial(collate_prompts, pad_token_id=tokenizer.pad_token_id),
                           cfg.per_device_generation_batch_size, cfg.seed,

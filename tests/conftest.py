@@ -85,3 +85,19 @@ def tiny_dir(cache_dir, tokenizer) -> Path:
                      bos_token_id=tokenizer.bos_token_id).save_pretrained(tmp)
     os.replace(tmp, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def reward_dir(tiny_dir, tmp_path_factory, tokenizer) -> Path:
+    """A tiny reward model (stage 'reward') with a random non-zero score head."""
+    import torch
+
+    from rlhfkit.checkpoint import build_manifest, export_model
+    from rlhfkit.models import load_model
+
+    torch.manual_seed(3)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
+    model.score.weight.data.normal_(0, 1.0)
+    out = tmp_path_factory.mktemp("rm") / "reward"
+    export_model(model, tokenizer, out, build_manifest(stage="reward", config={}, tokenizer=tokenizer))
+    return out

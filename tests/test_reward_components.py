@@ -61,7 +61,7 @@ def test_per_component_normalisation_uses_training_batches_only():
 
 
 def test_errors_name_the_component():
-    with pytest.raises(ConfigError, match="names a function twice"):
+    with pytest.raises(ConfigError, match="names a source twice"):
         RewardFunctions.load(["gsm8k:1", "gsm8k:2"])
     with pytest.raises(RlhfkitError, match=r"reward function x returned inf for sample 1 \(prompt 'q', response 'b'\)"):
         call_reward_fn("x", half_nan, ["q", "q"], ["a", "b"], [{}, {}])

@@ -23,20 +23,6 @@ def data(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def reward_dir(tiny_dir, tmp_path_factory, tokenizer):
-    """A tiny reward model (stage 'reward') with a random non-zero score head."""
-    from rlhfkit.checkpoint import build_manifest, export_model
-    from rlhfkit.models import load_model
-
-    torch.manual_seed(3)
-    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id)
-    model.score.weight.data.normal_(0, 1.0)
-    out = tmp_path_factory.mktemp("rm") / "reward"
-    export_model(model, tokenizer, out, build_manifest(stage="reward", config={}, tokenizer=tokenizer))
-    return out
-
-
 def ppo_args(actor, critic, data, out, *extra):
     return ["--actor_model_name_or_path", str(actor), "--critic_model_name_or_path", str(critic), "--data_path", str(data),
             "--output_dir", str(out), "--data_split", "0,0,1", "--eval_fraction", "0.2", "--max_eval_samples", "2",

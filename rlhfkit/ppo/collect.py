@@ -65,9 +65,11 @@ class ExperienceMaker:
                                          top_p=1.0, top_k=0, eos_token_id=tokenizer.eos_token_id, pad_token_id=self.pad)
         self.eval_samples = 1 if cfg.eval_greedy else cfg.eval_n_samples_per_prompt  # responses per held-out prompt
 
-    def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list], training: bool = True) -> torch.Tensor:
-        """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward functions,
-        weighted. ``parts`` collects per-sample reward components for the metrics."""
+    def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list], training: bool = True,
+              messages: Optional[list] = None) -> torch.Tensor:
+        """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward functions and
+        servers, weighted. ``parts`` collects per-sample reward components for the metrics; ``messages`` are the
+        samples' prompt turns (for the servers)."""
         cfg = self.cfg
         total = torch.zeros(len(batch), device=self.device)
         if self.models.reward is not None:
@@ -77,7 +79,7 @@ class ExperienceMaker:
             prompts = self.tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True)
             responses = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
             total += self.reward_fns.score(prompts, responses, list(rows), parts, self.device, dist.all_reduce_sum, training,
-                                           gsm8k_kwargs={"format_bonus": cfg.format_bonus})
+                                           gsm8k_kwargs={"format_bonus": cfg.format_bonus}, messages=messages)
         return total
 
     def shaped(self, raw: torch.Tensor, batch: RolloutBatch, training: bool = True) -> torch.Tensor:
@@ -109,7 +111,8 @@ class ExperienceMaker:
         groups = cfg.packed_group_size if training else 1
         ids = prompt_batch["input_ids"].to(self.device).repeat_interleave(repeat, 0)
         mask = prompt_batch["attention_mask"].to(self.device).repeat_interleave(repeat, 0)
-        rows = [source_rows[i].meta for i in prompt_batch["index"].tolist() for _ in range(repeat)]
+        examples = [source_rows[i] for i in prompt_batch["index"].tolist() for _ in range(repeat)]
+        rows = [ex.meta for ex in examples]
         t0 = time.time()
         if training:
             crash_point("generation")
@@ -124,7 +127,7 @@ class ExperienceMaker:
                 old_lp, _ = models.no_grad_forward("actor", actor_forward, seqs, attn, P, temperature, False, groups)
         ref_lp, _ = models.no_grad_forward("ref", actor_forward, seqs, attn, P, temperature, False, groups)
         values = models.no_grad_forward("critic", critic_forward, seqs, attn, P) if models.critic is not None else None
-        raw = self.score(batch, rows, parts, training)
+        raw = self.score(batch, rows, parts, training, [ex.prompt for ex in examples])
         amask = batch.action_mask.float()
         loss_mask = amask * (~batch.truncated).float()[:, None].to(self.device) if cfg.mask_truncated else amask
         zeros = torch.zeros_like(amask)
