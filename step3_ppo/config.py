@@ -163,6 +163,9 @@ class Step3Train(AdamArgs, RunLengthArgs, RuntimeArgs):
     generation_batches: int = arg(1, "Generation batches collected before training.")
     actor_learning_rate: float = arg(1e-6, "Actor peak learning rate.")
     critic_learning_rate: float = arg(5e-6, "Critic peak learning rate.")
+    freezing_actor_steps: int = arg(0, "Critic warm-up (OpenRLHF's flag): for the first N steps only the critic is "
+                                       "trained; the actor, still the reference, is not updated. The value head starts "
+                                       "from the reward model's score head, on another scale than the returns.")
     actor_weight_decay: float = arg(0.0, "Actor weight decay.")
     critic_weight_decay: float = arg(0.0, "Critic weight decay.")
     lr_scheduler_type: str = arg("constant_with_warmup", "Learning-rate schedule of actor and critic.")
@@ -202,6 +205,9 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
         if not (self.reward_fn or self.reward_url or self.reward_model_name_or_path or self.critic_model_name_or_path):
             raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path), --reward_fn "
                               "and/or --reward_url")
+        if self.freezing_actor_steps < 0 or (self.freezing_actor_steps and not spec.needs_critic):
+            raise ConfigError(f"--freezing_actor_steps {self.freezing_actor_steps}: a critic warm-up, for --algo ppo only "
+                              "(>= 0)")
         if spec.needs_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
         self.validate_objective(spec)

@@ -172,6 +172,15 @@ def part_metrics(before: dict, after: dict) -> dict:
     return out
 
 
+def run_description(cfg: Step3Config, total_steps: int, has_critic: bool) -> str:
+    """The run's one-line shape, printed before training."""
+    warm_up = f", critic warm-up {cfg.freezing_actor_steps} steps" if cfg.freezing_actor_steps else ""
+    return (f"{cfg.algo}: {total_steps} steps x {cfg.samples_per_rank} samples/rank "
+            f"({cfg.per_device_generation_batch_size} prompts x {cfg.generation_batches} x {cfg.n_samples_per_prompt}), "
+            f"{cfg.updates_per_step} updates/step{', groups packed' if cfg.packed_group_size > 1 else ''}, "
+            f"rollout backend {cfg.backend}, critic {'yes' if has_critic else 'no'}{warm_up}")
+
+
 def main() -> None:
     cfg = start_program(Step3Config)
     check_backend(cfg.backend)
@@ -194,10 +203,7 @@ def main() -> None:
     evaluate = HeldOutEval(maker, prompts.eval, prompts.eval_rows, cfg.per_device_generation_batch_size)
     settings, kl_ctl = UpdateSettings.from_config(cfg), kl_controller(cfg)
     logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, cfg.algo)
-    dist.print_rank0(f"{cfg.algo}: {total_steps} steps x {cfg.samples_per_rank} samples/rank "
-                     f"({cfg.per_device_generation_batch_size} prompts x {cfg.generation_batches} x {cfg.n_samples_per_prompt}), "
-                     f"{cfg.updates_per_step} updates/step{', groups packed' if cfg.packed_group_size > 1 else ''}, "
-                     f"rollout backend {cfg.backend}, critic {'yes' if models.critic is not None else 'no'}")
+    dist.print_rank0(run_description(cfg, total_steps, models.critic is not None))
 
     # 3. Resume, or evaluate the step-1 model (the baseline).
     fingerprints = models.frozen_fingerprints()
@@ -225,7 +231,8 @@ def main() -> None:
         add_advantages(collected.exp, cfg.spec, cfg, kl_ctl.value)
         t1 = time.time()
         train_stats = train_on(trained, collected.exp, settings, kl_coef=kl_ctl.value, packed_group_size=cfg.packed_group_size,
-                               single_update=cfg.old_logprobs_from_training, ptx_iter=progress.ptx, guard=guard.ok)
+                               single_update=cfg.old_logprobs_from_training, ptx_iter=progress.ptx, guard=guard.ok,
+                               train_actor=step > cfg.freezing_actor_steps)
         t_train = time.time() - t1
         if cfg.target_kl:
             update_kl_controller(kl_ctl, collected.exp)

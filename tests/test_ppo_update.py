@@ -149,3 +149,21 @@ def test_mean_metrics_over_updates():
     b = UpdateStats(policy_loss=3.0, clip_frac=1.0, approx_kl=0.5, entropy=0.0, value_loss=2.0, value_clip_frac=0.0)
     assert mean_metrics([a, b]) == {"policy/loss": 2.0, "policy/clip_frac": 0.5, "policy/approx_kl": 0.5, "policy/entropy": 1.0,
                                     "value/loss": 3.0, "value/clip_frac": 0.25}
+
+
+def test_frozen_actor_trains_the_critic_alone(monkeypatch):
+    """--freezing_actor_steps: no actor pass or step, the critic's step as usual, the reference's logprobs as old.
+    The critic's value is its bias[0] at every position; V = V_old = 0, returns 1: the loss is 0.5 (1)^2 = 0.5 on
+    each of the 3 tokens, and d loss / d bias[0] = mean(V - R) = -1, so SGD at lr 1 moves it to +1."""
+    monkeypatch.setattr("rlhfkit.ppo.update.critic_forward",
+                        lambda model, seqs, attn, P: model.bias[0].expand(seqs.shape[0], seqs.shape[1] - P))
+    actor, critic = BiasActor(), BiasActor()
+    mb = replace(batch(old_logprobs=None), values=torch.zeros(2, 2), returns=torch.ones(2, 2))
+    stats = ppo_update(Trainables(actor, critic), mb, SETTINGS, kl_coef=0.1, train_actor=False)
+    assert actor.steps == 0 and torch.equal(actor.bias.detach(), torch.zeros(2)) and actor.bias.grad is None
+    assert critic.steps == 1 and critic.bias[0].item() == pytest.approx(1.0)
+    assert stats.metrics() == {"value/loss": pytest.approx(0.5), "value/clip_frac": 0.0}  # no policy/* metrics
+    assert mb.old_logprobs is mb.ref_logprobs
+    trained = ppo_update(Trainables(actor, critic), replace(batch(old_logprobs=None), values=torch.zeros(2, 2),
+                                                            returns=torch.ones(2, 2)), SETTINGS, kl_coef=0.1)
+    assert actor.steps == 1 and "policy/loss" in trained.metrics()  # after the warm-up the actor trains again

@@ -158,12 +158,26 @@ def test_truncated_responses_reach_metrics_and_truncated_reward(tiny_dir, reward
     assert step["reward/shaped_mean"] == pytest.approx(-7.0) and step["reward/score_mean"] != pytest.approx(-7.0)
 
 
+def test_critic_warm_up_freezes_the_actor_for_its_steps(tiny_dir, reward_dir, data, tmp_path):
+    """--freezing_actor_steps 2 of 3: steps 1-2 train the critic alone (no policy metrics, the actor's KL to the
+    reference exactly 0), step 3 trains both."""
+    out = tmp_path / "warm"
+    run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--max_steps", "3",
+                                              "--freezing_actor_steps", "2", "--eval_fraction", "0"), nprocs=0)
+    steps = [r for r in read_metrics(out) if "value/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert ["policy/loss" in r for r in steps] == [False, False, True]
+    assert steps[0]["kl/per_token"] == 0.0 and steps[1]["kl/per_token"] == 0.0
+    assert weights_changed(reward_dir, out / "critic") and weights_changed(tiny_dir, out / "actor")
+
+
 def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
     cases = [
         (["--algo", "grpo"], "set --n_samples_per_prompt >= 2"),
         (["--per_device_training_batch_size", "3"], "must divide the samples per rank"),
         (["--rollout_backend", "deepspeed"], "needs CUDA"),
         (["--actor_zero_stage", "4"], "--actor_zero_stage 4 is out of range"),
+        (["--algo", "grpo", "--n_samples_per_prompt", "2", "--freezing_actor_steps", "2"], "a critic warm-up, for --algo ppo only"),
     ]
     for extra, message in cases:
         proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", tmp_path / "x", *extra),

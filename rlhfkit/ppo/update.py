@@ -68,10 +68,10 @@ class Trainables:
 class UpdateStats:
     """What one mini-batch update measured (the metric names are :meth:`metrics`' keys)."""
 
-    policy_loss: float  # policy/loss: the PPO-clip term alone
-    clip_frac: float  # policy/clip_frac: fraction of tokens whose ratio was clipped
-    approx_kl: float  # policy/approx_kl: mean (old - new) log-ratio, the drift within the batch
-    entropy: float  # policy/entropy: mean entropy of the actor over the response tokens
+    policy_loss: Optional[float] = None  # policy/loss: the PPO-clip term alone (None: the actor was frozen)
+    clip_frac: Optional[float] = None  # policy/clip_frac: fraction of tokens whose ratio was clipped
+    approx_kl: Optional[float] = None  # policy/approx_kl: mean (old - new) log-ratio, the drift within the batch
+    entropy: Optional[float] = None  # policy/entropy: mean entropy of the actor over the response tokens
     kl_loss: Optional[float] = None  # policy/kl_loss: the KL term before its coefficient (KL in the loss)
     entropy_loss: Optional[float] = None  # policy/entropy_loss: the aggregated entropy the bonus weights (--entropy_coef)
     ptx_loss: Optional[float] = None  # policy/ptx_loss: the PTX SFT loss before its coefficient
@@ -119,22 +119,44 @@ def global_counts(mb: Experience) -> tuple[float, float]:
 
 
 def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef: float, group_size: int = 1,
-               ptx_batch: Optional[dict] = None, guard: Optional[Callable[[torch.Tensor], bool]] = None) -> UpdateStats:
+               ptx_batch: Optional[dict] = None, guard: Optional[Callable[[torch.Tensor], bool]] = None,
+               train_actor: bool = True) -> UpdateStats:
     """One optimiser step of the actor (and of the critic) on the mini-batch ``mb``.
 
     ``mb.old_logprobs`` None means this is the batch's only update: its own logprobs, detached, are
     the old ones (ratio exactly 1), written back into ``mb`` with the KL they give. ``group_size`` G
     runs the actor's pass on packed groups. ``ptx_batch``: an SFT batch (input_ids, attention_mask,
     labels) whose loss joins the actor loss. ``guard(loss)`` False skips that step (a non-finite
-    loss on some rank); every rank calls it the same number of times."""
+    loss on some rank); every rank calls it the same number of times. ``train_actor`` False (the
+    critic's warm-up, --freezing_actor_steps) updates the critic alone; the actor, still the
+    reference, gets no pass: its old logprobs are the reference's."""
     guard = guard or (lambda loss: True)
     n_tok, n_seq = global_counts(mb)
+    agg = dict(loss_agg=s.loss_agg, num_tokens=n_tok, num_seqs=n_seq, norm_constant=s.norm_constant)
+    stats = actor_update(models, mb, s, kl_coef, group_size, ptx_batch, guard, agg) if train_actor else UpdateStats()
+    if not train_actor and mb.old_logprobs is None:
+        mb.old_logprobs = mb.ref_logprobs
+    if models.critic is not None:
+        v = critic_forward(models.critic, mb.sequences, mb.attention_mask, mb.prompt_len)
+        vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, s.cliprange_value, **agg)
+        if guard(vf_loss):
+            models.critic.backward(vf_loss)
+            models.critic.step()
+        stats.value_loss, stats.value_clip_frac = vf_loss.item(), float(vs["vf_clip_frac"])
+    if models.ema is not None and train_actor:
+        models.ema.update()
+    return stats
+
+
+def actor_update(models: Trainables, mb: Experience, s: UpdateSettings, kl_coef: float, group_size: int,
+                 ptx_batch: Optional[dict], guard: Callable[[torch.Tensor], bool], agg: dict) -> UpdateStats:
+    """The actor's half of :func:`ppo_update`: policy loss (+ entropy bonus, KL in the loss, PTX), one step.
+    ``agg``: the loss aggregation and its global counts."""
     logp, entropy = actor_forward(models.actor, mb.sequences, mb.attention_mask, mb.prompt_len, s.temperature,
                                   with_entropy=True, group_size=group_size, entropy_grad=s.entropy_coef > 0)
     if mb.old_logprobs is None:
         mb.old_logprobs = logp.detach()
         mb.kl = kl_estimate(mb.old_logprobs, mb.ref_logprobs, s.kl_estimator) * mb.action_mask
-    agg = dict(loss_agg=s.loss_agg, num_tokens=n_tok, num_seqs=n_seq, norm_constant=s.norm_constant)
     pg_loss, pg = policy_loss(s.policy_loss, logp, mb.old_logprobs, mb.advantages, mb.loss_mask,
                               (s.clip_eps_low, s.clip_eps_high), **agg)
     loss = pg_loss
@@ -145,8 +167,8 @@ def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef
         loss = loss - s.entropy_coef * entropy_term
         stats.entropy_loss = entropy_term.item()
     if s.kl_in_loss and kl_coef > 0:
-        kl_term = kl_loss(logp, mb.ref_logprobs, mb.loss_mask, s.kl_estimator, s.loss_agg, num_tokens=n_tok, num_seqs=n_seq,
-                          norm_constant=s.norm_constant)
+        kl_term = kl_loss(logp, mb.ref_logprobs, mb.loss_mask, s.kl_estimator, s.loss_agg, num_tokens=agg["num_tokens"],
+                          num_seqs=agg["num_seqs"], norm_constant=s.norm_constant)
         loss = loss + kl_coef * kl_term
         stats.kl_loss = kl_term.item()
     if ptx_batch is not None:
@@ -157,25 +179,17 @@ def ppo_update(models: Trainables, mb: Experience, s: UpdateSettings, *, kl_coef
     if guard(loss):
         models.actor.backward(loss)
         models.actor.step()
-    if models.critic is not None:
-        v = critic_forward(models.critic, mb.sequences, mb.attention_mask, mb.prompt_len)
-        vf_loss, vs = clipped_value_loss(v, mb.values, mb.returns, mb.action_mask, s.cliprange_value, **agg)
-        if guard(vf_loss):
-            models.critic.backward(vf_loss)
-            models.critic.step()
-        stats.value_loss, stats.value_clip_frac = vf_loss.item(), float(vs["vf_clip_frac"])
-    if models.ema is not None:
-        models.ema.update()
     return stats
 
 
 def train_on(models: Trainables, exp: Experience, s: UpdateSettings, *, kl_coef: float, packed_group_size: int,
              single_update: bool, ptx_iter: Optional[Iterator[dict]] = None,
-             guard: Optional[Callable[[torch.Tensor], bool]] = None) -> dict[str, float]:
+             guard: Optional[Callable[[torch.Tensor], bool]] = None, train_actor: bool = True) -> dict[str, float]:
     """``ppo_epochs`` passes over ``exp`` in shuffled mini-batches (one update each; the whole batch
     when ``single_update``). Mini-batches run packed where the experience passes did: whole groups,
     not trimmed, so that they keep the batch's layout. ``ptx_iter``: SFT batches, one per update, for
-    the PTX loss. Returns the mean of each update metric."""
+    the PTX loss. ``train_actor`` False: the critic alone is trained (its warm-up). Returns the mean of
+    each update metric."""
     models.actor.train()
     if models.critic is not None:
         models.critic.train()
@@ -184,6 +198,7 @@ def train_on(models: Trainables, exp: Experience, s: UpdateSettings, *, kl_coef:
     stats = []
     for _ in range(s.ppo_epochs):
         for mb in [exp] if single_update else exp.minibatches(s.minibatch_size, rng, groups):
-            ptx = to_device(next(ptx_iter), models.actor.device) if ptx_iter is not None else None
-            stats.append(ppo_update(models, mb, s, kl_coef=kl_coef, group_size=groups, ptx_batch=ptx, guard=guard))
+            ptx = to_device(next(ptx_iter), models.actor.device) if ptx_iter is not None and train_actor else None
+            stats.append(ppo_update(models, mb, s, kl_coef=kl_coef, group_size=groups, ptx_batch=ptx, guard=guard,
+                                    train_actor=train_actor))
     return mean_metrics(stats)
