@@ -98,9 +98,11 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def feature_length(f: dict) -> int:
-    """Tokens of one training row (the longer side of a pair)."""
+    """Tokens of one training row (the longer side of a pair; a KTO completion with its prompt)."""
     if "input_ids" in f:
         return len(f["input_ids"])
+    if "completion_ids" in f:
+        return len(f["prompt_ids"]) + len(f["completion_ids"])
     return max(len(f["chosen_input_ids"]), len(f["rejected_input_ids"]))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,16 +83,18 @@ def join_process_group(timeout_s: int) -> torch.device:
     return device
 
 
-def load_split(cfg: Any, *, phase: int, need: str, tokenize: Callable, tokenizer: Any) -> tuple[list, list, list]:
-    """This program's share of every data source, tokenised: (train features, eval features, source
-    reports), with what was read, skipped and truncated printed on rank 0."""
+def load_split(cfg: Any, *, phase: int, need: str, tokenize: Callable, tokenizer: Any,
+               tokenize_eval: Optional[Callable] = None) -> tuple[list, list, list]:
+    """This program's share of every data source, tokenised (the held-out rows by ``tokenize_eval`` when
+    given): (train features, eval features, source reports), with what was read, skipped and truncated
+    printed on rank 0."""
     from rlhfkit.data import load_phase_data
 
     train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=phase, need=need, data_split=cfg.data_split,
                                                      seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
                                                      max_eval=cfg.max_eval_samples)
     train_set, train_report = tokenize(train_rows, tokenizer, cfg.max_seq_len)
-    eval_set, eval_report = tokenize(eval_rows, tokenizer, cfg.max_seq_len)
+    eval_set, eval_report = (tokenize_eval or tokenize)(eval_rows, tokenizer, cfg.max_seq_len)
     for s in sources:
         dist.print_rank0(s.summary())
     dist.print_rank0(f"train: {train_report.summary()}\neval: {eval_report.summary()}")

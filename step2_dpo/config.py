@@ -11,7 +11,7 @@ from rlhfkit.config import (
 )
 from rlhfkit.errors import ConfigError
 
-LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo")
+LOSS_TYPES = ("sigmoid", "ipo", "cdpo", "simpo", "kto")
 REFERENCE_FREE = ("simpo",)  # loss types that load no reference model
 
 
@@ -25,7 +25,12 @@ class DPOArgs:
              "sigmoid loss only; --loss_type cdpo is the same, with 0.1 when this is 0.")
     loss_type: str = arg("sigmoid", "sigmoid (DPO, Rafailov et al. 2023), ipo (IPO, Azar et al. 2023; on summed response "
                                     "log-probs), cdpo (conservative DPO: sigmoid with --label_smoothing, default 0.1), simpo "
-                                    "(SimPO, Meng et al. 2024: reference-free, length-normalised; no reference model is loaded).")
+                                    "(SimPO, Meng et al. 2024: reference-free, length-normalised; no reference model is loaded), kto "
+                                    "(KTO, Ethayarajh et al. 2024: unpaired completions labelled desirable or undesirable; "
+                                    "a pair gives one of each, {prompt, completion, label} rows are read too).")
+    kto_lambda_d: float = arg(1.0, "KTO's weight lambda_D of the desirable completions' loss (TRL: desirable_weight).")
+    kto_lambda_u: float = arg(1.0, "KTO's weight lambda_U of the undesirable completions' loss (TRL: undesirable_weight). "
+                                   "The paper keeps lambda_D n_D / (lambda_U n_U) in [1, 4/3].")
     simpo_gamma: float = arg(1.0, "SimPO's target reward margin gamma (the paper: gamma / beta about 0.5, so 1.0 with beta 2).")
     offload_reference_model: bool = arg(
         False, "Keep the frozen reference's parameters in CPU memory (ZeRO-3 parameter offload; the reference runs "
@@ -51,6 +56,9 @@ class DPOConfig(ModelArgs, DataArgs, OptimArgs, DeepSpeedArgs, LoraArgs, LogArgs
             self.beta = 2.0 if self.loss_type == "simpo" else 0.1
         if self.loss_type == "cdpo":  # conservative DPO is the sigmoid loss with label smoothing
             self.loss_type, self.label_smoothing = "sigmoid", self.label_smoothing or 0.1
+        if self.loss_type == "kto" and self.per_device_train_batch_size < 2:
+            raise ConfigError("--loss_type kto estimates its reference point from mismatched pairs (x_i, y_j), j != i, within "
+                              f"a rank's micro-batch: set --per_device_train_batch_size >= 2 (got {self.per_device_train_batch_size})")
         if not self.beta > 0:
             raise ConfigError(f"--beta must be > 0 (got {self.beta})")
         if not 0 <= self.label_smoothing < 0.5:

@@ -11,6 +11,8 @@ Loss (Rafailov et al. 2023; IPO, Azar et al. 2023; SimPO, Meng et al. 2024):
     h = (log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))
     sigmoid: -(1 - ls) log sigmoid(beta h) - ls log sigmoid(-beta h)      ipo: (h - 1 / (2 beta))^2
     simpo:   -log sigmoid(beta / |y_w| log pi(y_w|x) - beta / |y_l| log pi(y_l|x) - gamma)   (no reference)
+    kto:     unpaired completions (Ethayarajh et al. 2024; see rlhfkit.algos.kto_loss), a pair giving one
+             desirable and one undesirable; z0 from mismatched (prompt, completion) rows of the batch
 with log pi(y|x) the sum of the response tokens' log-probs. Writes a 'dpo' checkpoint directory
 (an actor: it loads with AutoModelForCausalLM).
 """
@@ -27,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 from rlhfkit import distributed as dist  # noqa: E402
-from rlhfkit.algos import dpo_loss, simpo_loss  # noqa: E402
+from rlhfkit.algos import dpo_loss, kto_loss, simpo_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import config_dict  # noqa: E402
-from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
+from rlhfkit.data import collate_kto, collate_packed_pairs, collate_pairs, tokenize_kto, tokenize_pairs  # noqa: E402
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.engines import batch_plan, build_frozen_engine, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
@@ -78,9 +80,10 @@ class DPOObjective:
     """The DPO loss of the policy against the reference over this rank's pairs, with the implicit
     rewards beta * (log pi - log ref): the training loss and the held-out evaluation."""
 
-    def __init__(self, policy: Any, reference: Optional[Reference], cfg: DPOConfig):
+    def __init__(self, policy: Any, reference: Optional[Reference], cfg: DPOConfig, loss_type: Optional[str] = None):
         self.policy, self.reference = policy, reference
-        self.beta, self.label_smoothing, self.loss_type, self.gamma = cfg.beta, cfg.label_smoothing, cfg.loss_type, cfg.simpo_gamma
+        self.beta, self.label_smoothing, self.gamma = cfg.beta, cfg.label_smoothing, cfg.simpo_gamma
+        self.loss_type = loss_type or cfg.loss_type
 
     def __call__(self, batch: dict, keep: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
         """Policy forward (with grad), reference forward (no grad; none for SimPO), the loss over the pairs
@@ -129,11 +132,41 @@ class DPOObjective:
                 "margin": chosen - rejected, "pairs": int(total[0])}
 
 
+class KTOObjective:
+    """KTO's loss over this rank's completions (:func:`rlhfkit.data.collate_kto` batches: each completion,
+    then a mismatched one), its reference point z0 the mean log-ratio of the mismatched rows of all ranks.
+    Held out, it is judged as DPO is, on pairs: the implicit rewards beta (log pi - log ref) of the chosen
+    and the rejected answer (labelled rows are not evaluated)."""
+
+    def __init__(self, policy: Any, reference: Reference, cfg: DPOConfig):
+        self.policy, self.reference, self.cfg = policy, reference, cfg
+        self.pairs = DPOObjective(policy, reference, cfg, loss_type="sigmoid")  # the held-out pairs' rewards
+
+    def train_loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        policy, policy_kl = pair_logprobs(self.policy, batch)  # [B] own completions, [B] mismatched
+        ref, ref_kl = self.reference.logprobs(batch)
+        w = batch["kl_weight"].to(policy.device)
+        sums = dist.all_reduce_sum(torch.stack([((policy_kl.detach().float() - ref_kl.float()) * w).sum(), w.sum()]))
+        kl = (sums[0] / sums[1]).item() if sums[1] > 0 else 0.0
+        good = batch["desirable"].to(policy.device)
+        loss, rewards = kto_loss(policy, ref, good, kl, self.cfg.beta, self.cfg.kto_lambda_d, self.cfg.kto_lambda_u)
+        n_good, n_bad = good.sum().clamp_min(1), (~good).sum().clamp_min(1)
+        return loss, {"loss": loss.item(), "kl": kl, "z0": max(kl, 0.0), "desirable_frac": good.float().mean().item(),
+                      "desirable_reward": ((rewards * good).sum() / n_good).item(),
+                      "undesirable_reward": ((rewards * ~good).sum() / n_bad).item()}
+
+    def evaluate(self, eval_set: list, collate: Any, batch_size: int) -> dict:
+        out = self.pairs.evaluate(eval_set, collate, batch_size)
+        out.pop("loss", None)  # DPO's loss is not KTO's
+        return out
+
+
 def run_metrics(result: LoopResult, cfg: DPOConfig) -> dict:
     """The manifest's metrics: held-out evaluation before and after training, and the run's size."""
     first, last = result.evals[0], result.evals[-1]
     metrics = {f"eval_{k}_{when}": ev[k] for when, ev in (("before", first), ("after", last)) for k in EVAL_KEYS if k in ev}
-    metrics.update(steps=result.steps, train_pairs=result.samples // 2, train_tokens=result.tokens,
+    metrics.update(steps=result.steps, train_tokens=result.tokens,
+                   **{"train_completions" if cfg.loss_type == "kto" else "train_pairs": result.samples // 2},
                    seconds=result.seconds, beta=cfg.beta, loss_type=cfg.loss_type)
     return metrics
 
@@ -141,8 +174,9 @@ def run_metrics(result: LoopResult, cfg: DPOConfig) -> dict:
 def summary(result: LoopResult, output_dir: str) -> dict:
     """The end-of-run summary lines."""
     first, last = result.evals[0], result.evals[-1]
+    loss = f", loss {first['loss']:.4f} -> {last['loss']:.4f}" if "loss" in first and "loss" in last else ""
     held_out = (f"accuracy {first['accuracy']:.3f} -> {last['accuracy']:.3f}, margin {first['margin']:.4f} -> "
-                f"{last['margin']:.4f}, loss {first['loss']:.4f} -> {last['loss']:.4f} ({last['pairs']} pairs)"
+                f"{last['margin']:.4f}{loss} ({last['pairs']} pairs)"
                 if "accuracy" in first and "accuracy" in last else "no held-out pairs (--eval_fraction 0)")
     seconds = max(result.seconds, 1e-9)
     return {
@@ -166,8 +200,12 @@ def main() -> None:
 
     # 2. Data: phase 2's share of each source (the reward model's share), as chosen/rejected pairs;
     #    training packs each pair into one row with --pack_pairs, evaluation runs the two rows apart.
-    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
-    train_collate = functools.partial(collate_packed_pairs if cfg.pack_pairs else collate_pairs, pad_token_id=pad)
+    #    KTO trains on completions (a pair gives two), each with a mismatched one; it is evaluated on pairs.
+    kto = cfg.loss_type == "kto"
+    train_set, eval_set, sources = load_split(cfg, phase=2, need="labelled" if kto else "pairs", tokenizer=tokenizer,
+                                              tokenize=tokenize_kto if kto else tokenize_pairs, tokenize_eval=tokenize_pairs)
+    train_collate = functools.partial(collate_kto if kto else collate_packed_pairs if cfg.pack_pairs else collate_pairs,
+                                      pad_token_id=pad)
     eval_collate = functools.partial(collate_pairs, pad_token_id=pad)
 
     # 3. The policy as a DeepSpeed training engine (LoRA optional).
@@ -176,7 +214,7 @@ def main() -> None:
                           lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=pad,
-                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
+                              row_len=2 * cfg.max_seq_len if cfg.pack_pairs and not kto else cfg.max_seq_len)
 
     # 4. The reference: the same directory loaded again, frozen (see Reference); SimPO has none.
     reference = Reference(cfg, engine, pad, plan.micro_batch) if cfg.uses_reference else None
@@ -186,13 +224,13 @@ def main() -> None:
                      f"{reference.description if reference else 'no reference model (' + cfg.loss_type + ')'}")
 
     # 5. Train on the DPO loss, evaluating on the held-out pairs before, every --eval_interval steps and after.
-    dpo = DPOObjective(engine, reference, cfg)
+    dpo = KTOObjective(engine, reference, cfg) if kto else DPOObjective(engine, reference, cfg)
     result = fit(engine, loader, compute_loss=dpo.train_loss,
                  evaluate=functools.partial(dpo.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size),
                  total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
                  eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="dpo",
                  progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}),
-                 max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs else 1)
+                 max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs and not kto else 1)
 
     # 6. Export the policy as an actor-type checkpoint directory.
     manifest = build_manifest(stage="dpo", config=config_dict(cfg), tokenizer=tokenizer, parent=cfg.model_name_or_path,

@@ -37,7 +37,7 @@ def dpo_args(model, data, out, *extra):
 def read_log(out):
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     evals = [{k[5:]: v for k, v in r.items() if k.startswith("eval/")} | {"step": r["step"]}
-             for r in rows if "eval/loss" in r]
+             for r in rows if "eval/pairs" in r]
     train = [r for r in rows if "train/loss" in r]
     return train, evals
 

@@ -19,6 +19,7 @@ from .losses import (
     ppo_policy_loss,
     sft_loss,
     simpo_loss,
+    kto_loss,
 )
 from .stats import (
     entropy_from_logits,
@@ -67,6 +68,7 @@ __all__ = [
     "sft_loss",
     "dpo_loss",
     "simpo_loss",
+    "kto_loss",
     # controllers / EMA
     "FixedKLController",
     "AdaptiveKLController",

@@ -331,3 +331,28 @@ def simpo_loss(
     rejected = beta * policy_rejected_logps.float() / rejected_lengths.float().clamp_min(1)
     losses = -F.logsigmoid(chosen - rejected - gamma)
     return losses.mean(), chosen.detach(), rejected.detach()
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor | float,
+    beta: float,
+    lambda_d: float = 1.0,
+    lambda_u: float = 1.0,
+):
+    """KTO (Ethayarajh et al. 2024) over N unpaired completions [N] -> (loss, rewards).
+
+      r_i = log pi(y_i|x_i) - log pi_ref(y_i|x_i)            (summed over the completion's tokens)
+      z0  = max(0, kl), detached: kl is the mean of r over mismatched pairs (x_i, y_j), j != i
+      desirable:    lambda_D (1 - sigmoid(beta (r_i - z0)))
+      undesirable:  lambda_U (1 - sigmoid(beta (z0 - r_i)))
+      loss = mean over the N completions (TRL's KTOTrainer); rewards = beta r_i, detached.
+    ``desirable`` is a bool [N]. Computed in fp32.
+    """
+    r = policy_logps.float() - ref_logps.float().detach()
+    z0 = torch.as_tensor(kl, dtype=torch.float32, device=r.device).detach().clamp_min(0.0)
+    losses = torch.where(desirable.bool(), lambda_d * (1.0 - torch.sigmoid(beta * (r - z0))),
+                         lambda_u * (1.0 - torch.sigmoid(beta * (z0 - r))))
+    return losses.mean(), (beta * r).detach()

@@ -17,6 +17,7 @@ from rlhfkit.data.tokenize import (
     TokenizeReport,
     encode_prompt,
     encode_response,
+    tokenize_kto,
     tokenize_pairs,
     tokenize_prompts,
     tokenize_sft,
@@ -24,7 +25,7 @@ from rlhfkit.data.tokenize import (
 
 
 def __getattr__(name):  # collators need torch; import them on first use
-    if name in ("collate_sft", "collate_pairs", "collate_packed_pairs", "collate_prompts"):
+    if name in ("collate_sft", "collate_pairs", "collate_packed_pairs", "collate_prompts", "collate_kto"):
         from rlhfkit.data import collate
 
         return getattr(collate, name)
@@ -34,6 +35,6 @@ def __getattr__(name):  # collators need torch; import them on first use
 __all__ = [
     "Example", "SourceReport", "TokenizeReport", "load_phase_data", "read_source", "parse_dialogue",
     "parse_data_split", "phase_rows", "cut_eval", "encode_prompt", "encode_response",
-    "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "collate_sft", "collate_pairs", "collate_packed_pairs",
-    "collate_prompts", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",
+    "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "tokenize_kto", "collate_sft", "collate_pairs",
+    "collate_packed_pairs", "collate_prompts", "collate_kto", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",
 ]

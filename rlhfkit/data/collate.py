@@ -52,6 +52,23 @@ def collate_pairs(features: Sequence[dict], pad_token_id: int) -> dict[str, torc
     return {"input_ids": input_ids, "attention_mask": attention_mask, "prompt_len": prompt_len}
 
 
+def collate_kto(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """KTO's batch in :func:`collate_pairs`' layout: rows 0..B-1 each prompt with its own completion, rows
+    B..2B-1 prompt i with completion (i+1) mod B, a mismatched pair for KTO's reference point (TRL's shifted
+    completions; cut to the feature's max_seq_len). desirable [B] bool; kl_weight [B]: 1, or 0 when B is 1
+    (no mismatched pair exists)."""
+    n = len(features)
+    rows = []
+    for i, f in enumerate(features):
+        other = features[(i + 1) % n]["completion_ids"][:max(f["max_seq_len"] - len(f["prompt_ids"]), 0)]
+        rows.append({"chosen_input_ids": f["prompt_ids"] + f["completion_ids"], "rejected_input_ids": f["prompt_ids"] + other,
+                     "prompt_len": len(f["prompt_ids"])})
+    batch = collate_pairs(rows, pad_token_id)
+    batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
+    batch["kl_weight"] = torch.full((n,), 1.0 if n > 1 else 0.0)
+    return batch
+
+
 def collate_packed_pairs(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Each pair as ONE row: its shared prompt once, then the chosen response, then the rejected one.
 

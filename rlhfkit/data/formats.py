@@ -9,6 +9,8 @@ countable reason ("missing field 'rejected'", "empty response", "chosen == rejec
   "sft"     a prompt and a response (``chosen``)         -> step 1
   "pairs"   a prompt, chosen and rejected, not equal     -> step 2 (and DPO)
   "prompts" a prompt only                                -> step 3
+  "labelled" a prompt and a desirable (``chosen``) and/or undesirable (``rejected``) completion -> KTO:
+            a pair gives one of each, a ``{"prompt", "completion", "label": true|false}`` row one
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Callable
 from rlhfkit.data.sources import FORMATS_HELP, BadRow, RawSource
 from rlhfkit.errors import DataError
 
-NEEDS = ("sft", "pairs", "prompts")
+NEEDS = ("sft", "pairs", "prompts", "labelled")
 
 Messages = list[dict[str, str]]
 
@@ -300,6 +302,17 @@ def _prompt_only(row: dict, need: str):
     return prompt, None, None, _other_fields(row, ("prompt",))
 
 
+def _prompt_completion_label(row: dict, need: str):
+    """KTO's unpaired rows: the completion is desirable (label true) or undesirable (false)."""
+    prompt = _prompt(_field(row, "prompt", required=True))
+    completion = _response(row, "completion", required=True)
+    label = _field(row, "label", required=True)
+    if label not in (True, False, 0, 1):
+        raise Skip("bad label", f"'label' must be true or false, got {label!r}")
+    good = bool(label)
+    return prompt, completion if good else None, None if good else completion, _other_fields(row, ("prompt", "completion", "label"))
+
+
 def _plain_string(row: Any, need: str):
     if not isinstance(row, str):
         raise Skip("wrong type", f"row is {type(row).__name__}, expected a string")
@@ -312,6 +325,7 @@ FORMATS = {
         Format("hh-rlhf", "pairs", _hh_rlhf),
         Format("prompt/chosen/rejected", "pairs", _prompt_chosen_rejected),
         Format("prompt/response", "sft", _prompt_response),
+        Format("prompt/completion/label", "labelled", _prompt_completion_label),
         Format("alpaca", "sft", _alpaca),
         Format("alpaca-pairs", "pairs", _alpaca),
         Format("sharegpt", "sft", _sharegpt),
@@ -331,6 +345,8 @@ def _format_for_keys(keys: set[str]) -> str | None:
     if "prompt" in keys:
         if keys & {"chosen", "rejected"}:
             return "prompt/chosen/rejected"
+        if {"completion", "label"} <= keys:
+            return "prompt/completion/label"
         return "prompt/response" if "response" in keys else "prompt-only"
     if "instruction" in keys:
         if "instances" in keys:
@@ -393,6 +409,10 @@ def convert_row(fmt: Format, raw: RawSource, row: int, need: str) -> Example:
         raise Skip("empty prompt")
     if need in ("sft", "pairs") and not chosen:
         raise Skip("empty response", "'chosen' is empty")
+    if need == "labelled" and not (chosen or rejected):
+        raise Skip("empty response", "no desirable or undesirable completion")
+    if need in ("pairs", "labelled") and chosen and chosen == rejected:
+        raise Skip("chosen == rejected")
     if need == "pairs":
         if not rejected:
             raise Skip("empty response", "'rejected' is empty")

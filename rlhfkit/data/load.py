@@ -23,9 +23,10 @@ from rlhfkit.data.splits import STEP_NAMES, cut_eval, group_ids, parse_data_spli
 from rlhfkit.errors import ConfigError, DataError
 
 FIRST_SKIPS = 5  # how many (row, reason) examples a report keeps
-_ORDER = {"prompts": 0, "sft": 1, "pairs": 2}
+_ORDER = {"prompts": 0, "sft": 1, "labelled": 1.5, "pairs": 2}  # a source serves the needs at or below its own
 _NEED_WORDS = {
     "sft": "prompts with responses",
+    "labelled": "prompts with completions labelled desirable or undesirable (or pairs)",
     "pairs": "prompts with chosen and rejected responses",
     "prompts": "prompts",
 }
@@ -81,7 +82,8 @@ def load_phase_data(
     """(train, eval, reports) for one step.
 
     phase: 1, 2 or 3, which of the ``data_split`` shares ("2,4,4": 20%/40%/40%) this step takes.
-    need: "sft" (prompt + chosen), "pairs" (chosen and rejected, different) or "prompts".
+    need: "sft" (prompt + chosen), "pairs" (chosen and rejected, different), "labelled" (a desirable and/or an
+    undesirable completion: KTO) or "prompts".
     eval_fraction: part of each source's usable share held out for eval (>= 1 row when there
         are >= 2); max_eval caps the eval rows taken from each source (the rest stay in train).
     strict: raise DataError on the first unusable row instead of skipping and counting it.

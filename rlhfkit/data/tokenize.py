@@ -174,6 +174,31 @@ def tokenize_pairs(
     return _run(examples, one)
 
 
+def tokenize_kto(
+    examples: Sequence[Example], tokenizer, max_seq_len: int
+) -> tuple[list[dict], TokenizeReport]:
+    """-> KTO features {"prompt_ids", "completion_ids", "desirable", "max_seq_len"}: a pair gives two (its chosen
+    desirable, its rejected undesirable, side by side), a labelled row one. The report counts examples."""
+    _check_len("max_seq_len", max_seq_len, 2)
+
+    def one(i, ex, counts):
+        sides = [(text, good) for text, good in ((ex.chosen, True), (ex.rejected, False)) if text]
+        if not sides:
+            raise _Drop("no completion")
+        prompt = _prompt_ids(tokenizer, ex)
+        completions = [encode_response(tokenizer, text) for text, _ in sides]
+        keep = _prompt_keep(len(prompt), [len(c) for c in completions], max_seq_len)
+        room = max_seq_len - keep
+        counts["prompt"] += keep < len(prompt)
+        counts["response"] += max(len(c) for c in completions) > room
+        prompt = prompt[len(prompt) - keep:]
+        return [{"prompt_ids": prompt, "completion_ids": c[:room], "desirable": good, "max_seq_len": max_seq_len}
+                for c, (_, good) in zip(completions, sides)]
+
+    nested, report = _run(examples, one)
+    return [f for sides in nested for f in sides], report
+
+
 def tokenize_prompts(
     examples: Sequence[Example], tokenizer, max_prompt_len: int
 ) -> tuple[list[dict], TokenizeReport]:
