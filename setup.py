@@ -24,6 +24,8 @@ setup(
         "matplotlib",
     ],
     extras_require={"serve": ["fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],
-                    "dev": ["pytest>=8", "pexpect", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"]},
+                    "wandb": ["wandb>=0.19"], "mlflow": ["mlflow-skinny>=2.14"],
+                    "dev": ["pytest>=8", "pexpect", "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27", "wandb>=0.19",
+                            "mlflow-skinny>=2.14"]},
     entry_points={"console_scripts": ["rlhfkit=rlhfkit.cli:main"]},
 )

@@ -16,7 +16,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "[setup] installing torch ${TORCH_VERSION:-2.13.0}"
   "${PIP[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 fi
-if ! "$VENV/bin/python" -c "import rlhfkit, deepspeed, transformers, peft, fastapi, uvicorn, httpx" 2>/dev/null || [ "${RLHFKIT_REINSTALL:-0}" = 1 ]; then
+if ! "$VENV/bin/python" -c "import rlhfkit, deepspeed, transformers, peft, fastapi, uvicorn, httpx, wandb, mlflow" 2>/dev/null || [ "${RLHFKIT_REINSTALL:-0}" = 1 ]; then
   echo "[setup] installing rlhfkit and its dependencies"
   DS_BUILD_OPS=0 "${PIP[@]}" -e "${REPO}[dev]"
 fi

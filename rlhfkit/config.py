@@ -133,7 +133,11 @@ class PairArgs:
 @dataclass
 class LogArgs:
     output_dir: Optional[str] = arg(None, "Where the checkpoint directory is written (required).")
-    enable_tensorboard: bool = arg(False, "Write TensorBoard event files.")
+    report_to: str = arg("tensorboard,jsonl", "Where metrics go, comma-separated: jsonl (always: logs/metrics.jsonl, read by "
+                                              "rlhfkit report), tensorboard (logs/tensorboard), wandb (offline unless WANDB_MODE "
+                                              "or WANDB_API_KEY; pip install rlhfkit[wandb]), mlflow ($MLFLOW_TRACKING_URI or "
+                                              "logs/mlruns; pip install rlhfkit[mlflow]); none: jsonl only.")
+    enable_tensorboard: bool = arg(False, "DeepSpeed-Chat's flag: adds tensorboard to --report_to.")
     tensorboard_path: Optional[str] = arg(None, "TensorBoard directory (default: <output_dir>/logs/tensorboard).")
     eval_interval: int = arg(0, "Evaluate every N optimiser steps (0: only before and after training).")
     log_interval: int = arg(1, "Log training metrics every N optimiser steps.")
@@ -206,6 +210,10 @@ def require(cfg: Any, *names: str) -> None:
 
 def check_common(cfg: Any) -> None:
     """Checks every program shares (called from each config's ``validate``)."""
+    if hasattr(cfg, "report_to"):
+        from rlhfkit.trackers import parse_report_to
+
+        parse_report_to(cfg.report_to)
     if hasattr(cfg, "zero_stage") and cfg.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"--zero_stage {cfg.zero_stage} is out of range: use 0, 1, 2 or 3")
     if hasattr(cfg, "dtype") and cfg.dtype not in ("bf16", "fp16", "fp32"):

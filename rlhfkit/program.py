@@ -101,13 +101,26 @@ def load_split(cfg: Any, *, phase: int, need: str, tokenize: Callable, tokenizer
     return train_set, eval_set, sources
 
 
-def make_run_state(cfg: Any, engines: dict[str, Any]):
-    """The :class:`rlhfkit.resume.RunState` of a program from its config's resume flags."""
+def make_run_state(cfg: Any, engines: dict[str, Any], logger: Any = None):
+    """The :class:`rlhfkit.resume.RunState` of a program from its config's resume flags; ``logger``'s tracker
+    run ids go into its states, and a restored state's go back to the logger."""
     from rlhfkit.config import config_dict
     from rlhfkit.resume import RunState
 
-    return RunState(cfg.output_dir, engines, config_dict(cfg), save_interval=cfg.save_interval, keep_last_k=cfg.keep_last_k,
-                    resume=cfg.resume, allow_config_change=cfg.resume_allow_config_change)
+    state = RunState(cfg.output_dir, engines, config_dict(cfg), save_interval=cfg.save_interval, keep_last_k=cfg.keep_last_k,
+                     resume=cfg.resume, allow_config_change=cfg.resume_allow_config_change)
+    state.logger = logger
+    return state
+
+
+def make_logger(cfg: Any, program: str):
+    """The program's :class:`rlhfkit.metrics.MetricsLogger`: <output_dir>/logs, --report_to, the config as the
+    trackers' parameters."""
+    from rlhfkit.config import config_dict
+    from rlhfkit.metrics import MetricsLogger
+
+    return MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, program,
+                         cfg.report_to, config_dict(cfg))
 
 
 def peak_rss_gb() -> float:

@@ -110,6 +110,7 @@ class RunState:
         self.resume = resume
         self.allow_config_change = allow_config_change
         self.last_saved: Optional[Path] = None
+        self.logger: Optional[Any] = None  # a MetricsLogger: its tracker run ids are saved and restored
 
     # -- choosing the state to resume from ------------------------------------------------------
 
@@ -165,6 +166,8 @@ class RunState:
         _set_rng_state(torch.load(path / f"rng_rank{r}.pt", weights_only=True))
         extra_file = path / f"extra_rank{r}.pt"
         saved["rank_extra"] = torch.load(extra_file, weights_only=True) if extra_file.exists() else {}
+        if self.logger is not None:
+            self.logger.resume_trackers(saved.get("trackers", {}))
         dist.print_rank0(f"[resume] continuing from {path} (step {saved['counters']['step']})")
         return saved
 
@@ -191,7 +194,8 @@ class RunState:
         dist.barrier()
         if dist.is_main():
             state = {"counters": {"step": step, **counters}, "extra": extra or {}, "config": self.config,
-                     "world_size": dist.world_size(), "files": _files_with_hashes(tmp)}
+                     "world_size": dist.world_size(), "files": _files_with_hashes(tmp),
+                     "trackers": self.logger.tracker_ids() if self.logger is not None else {}}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
             if final.exists():
                 shutil.rmtree(final)

@@ -27,9 +27,8 @@ from rlhfkit.config import config_dict  # noqa: E402
 from rlhfkit.data import collate_sft, tokenize_sft  # noqa: E402
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
-from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
-from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
+from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step1_sft.config import SFTConfig  # noqa: E402 - SFTConfig: its former home was this module
 
@@ -119,7 +118,7 @@ def main() -> None:
                           lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=pad)
-    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "sft")
+    logger = make_logger(cfg, "sft")
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
 
@@ -130,7 +129,7 @@ def main() -> None:
                  evaluate=functools.partial(sft.evaluate, eval_set, collate, cfg.per_device_eval_batch_size),
                  total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
                  eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="sft",
-                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}),
+                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}, logger),
                  max_nonfinite_steps=cfg.max_nonfinite_steps)
 
     # 5. Export the checkpoint directory.

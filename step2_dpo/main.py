@@ -36,10 +36,9 @@ from rlhfkit.data import collate_kto, collate_packed_pairs, collate_pairs, token
 from rlhfkit.ds_config import init_config  # noqa: E402
 from rlhfkit.engines import batch_plan, build_frozen_engine, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
-from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import attention_kernel_of, load_model, load_tokenizer, pair_logprobs, pair_response_lengths  # noqa: E402
 from rlhfkit.models.gathered import GatheredCopy  # noqa: E402
-from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
+from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_dpo.config import LOSS_TYPES, DPOArgs, DPOConfig  # noqa: E402, F401 - DPOArgs, LOSS_TYPES: their former home
 
@@ -218,7 +217,7 @@ def main() -> None:
 
     # 4. The reference: the same directory loaded again, frozen (see Reference); SimPO has none.
     reference = Reference(cfg, engine, pad, plan.micro_batch) if cfg.uses_reference else None
-    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "dpo")
+    logger = make_logger(cfg, "dpo")
     dist.print_rank0(f"training {total_steps} steps, global batch {plan.global_batch} pairs "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation); "
                      f"{reference.description if reference else 'no reference model (' + cfg.loss_type + ')'}")
@@ -229,7 +228,7 @@ def main() -> None:
                  evaluate=functools.partial(dpo.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size),
                  total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
                  eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="dpo",
-                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}),
+                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}, logger),
                  max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs and not kto else 1)
 
     # 6. Export the policy as an actor-type checkpoint directory.

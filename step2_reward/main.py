@@ -28,9 +28,8 @@ from rlhfkit.config import config_dict  # noqa: E402
 from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: E402
-from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
-from rlhfkit.program import load_split, make_run_state, print_summary, run_main, start_program  # noqa: E402
+from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
@@ -128,7 +127,7 @@ def main() -> None:
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=pad,
                               row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
-    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, "reward")
+    logger = make_logger(cfg, "reward")
     dist.print_rank0(f"fitting the score head on {len(train_set)} pairs' features (the body frozen, no optimiser steps)"
                      if cfg.fit_head_only else f"training {total_steps} steps, {plan.global_batch} pairs per step "
                      f"({plan.micro_batch} x {plan.world_size} ranks x {plan.grad_accum} accumulation)")
@@ -144,7 +143,7 @@ def main() -> None:
         result = fit(engine, loader, compute_loss=pairwise, evaluate=evaluate, total_steps=total_steps,
                      epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
                      log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
-                     run_state=make_run_state(cfg, {"model": engine}), max_nonfinite_steps=cfg.max_nonfinite_steps,
+                     run_state=make_run_state(cfg, {"model": engine}, logger), max_nonfinite_steps=cfg.max_nonfinite_steps,
                      sequences_per_row=2 if cfg.pack_pairs else 1)
 
     # 5. Export the reward-type checkpoint directory.

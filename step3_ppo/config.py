@@ -14,6 +14,7 @@ from rlhfkit.config import AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeAr
 from rlhfkit.errors import ConfigError
 from rlhfkit.rl import ALGOS, GSPO_CLIP_EPS, KL_PLACEMENTS, POLICY_LOSSES, AlgoSpec, with_kl_placement
 from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS, RolloutOptions
+from rlhfkit.trackers import parse_report_to
 
 
 @dataclass
@@ -200,6 +201,7 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
         spec = self.spec
         if spec.needs_critic and not self.critic_model_name_or_path:
             raise ConfigError(f"--algo {self.algo} trains a critic: pass --critic_model_name_or_path (a step-2 reward model)")
+        parse_report_to(self.report_to)
         if isinstance(self.reward_url, str):
             self.reward_url = [self.reward_url]
         if not (self.reward_fn or self.reward_url or self.reward_model_name_or_path or self.critic_model_name_or_path):

@@ -36,7 +36,7 @@ from rlhfkit.rewards import RewardFunctions  # noqa: E402
 from rlhfkit.rollout import check_backend  # noqa: E402
 from rlhfkit.loaders import BatchStream, train_loader  # noqa: E402
 from rlhfkit.params import ParamEMA  # noqa: E402
-from rlhfkit.program import make_run_state, print_summary, run_main, start_program  # noqa: E402
+from rlhfkit.program import make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import NonFiniteGuard  # noqa: E402
 from step3_ppo.config import Step3Config  # noqa: E402
 
@@ -202,12 +202,12 @@ def main() -> None:
     maker = ExperienceMaker(cfg, models, tokenizer, reward_fns)
     evaluate = HeldOutEval(maker, prompts.eval, prompts.eval_rows, cfg.per_device_generation_batch_size)
     settings, kl_ctl = UpdateSettings.from_config(cfg), kl_controller(cfg)
-    logger = MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, cfg.algo)
+    logger = make_logger(cfg, cfg.algo)
     dist.print_rank0(run_description(cfg, total_steps, models.critic is not None))
 
     # 3. Resume, or evaluate the step-1 model (the baseline).
     fingerprints = models.frozen_fingerprints()
-    run_state = make_run_state(cfg, models.trained())
+    run_state = make_run_state(cfg, models.trained(), logger)
     progress = Progress(prompts=BatchStream(loader), ptx=ptx_batches(cfg, tokenizer))
     restored = run_state.restore()
     if restored:
