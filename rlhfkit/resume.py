@@ -134,14 +134,16 @@ class RunState:
         return None
 
     def _check_config(self, saved: dict, path: Path) -> None:
-        if saved.get("world_size") != dist.world_size():
-            msg = f"world size {dist.world_size()} differs from the saved run's {saved.get('world_size')}"
-        else:
-            old, new = saved.get("config", {}), self.config
-            diff = sorted(k for k in set(old) | set(new) if k not in FREE_FIELDS and old.get(k) != new.get(k))
-            if not diff:
-                return
-            msg = "changed: " + ", ".join(f"--{k} {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
+        if saved.get("world_size") != dist.world_size():  # --resume_allow_config_change does not waive this
+            raise CheckpointError(f"--resume {path}: the run was saved with {saved.get('world_size')} ranks and this one has "
+                                  f"{dist.world_size()}. A training state resumes on the same number of ranks only (its "
+                                  f"ZeRO shards, data shards and per-rank RNG streams are per rank); start "
+                                  f"{saved.get('world_size')} ranks (--num_gpus / --num_nodes).")
+        old, new = saved.get("config", {}), self.config
+        diff = sorted(k for k in set(old) | set(new) if k not in FREE_FIELDS and old.get(k) != new.get(k))
+        if not diff:
+            return
+        msg = "changed: " + ", ".join(f"--{k} {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
         if self.allow_config_change:
             dist.print_rank0(f"[resume] {path}: {msg} (allowed by --resume_allow_config_change)")
             return

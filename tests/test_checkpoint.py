@@ -146,3 +146,22 @@ def test_lora_is_merged_on_export(tiny_dir, tokenizer, tmp_path):
     assert not any("lora" in k for k in loaded.state_dict())
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_refuses_another_world_size_even_with_allow_config_change(tmp_path, monkeypatch):
+    """A state saved by 2 ranks is refused by 1 rank, with or without --resume_allow_config_change (which used to
+    waive it); a changed flag is still waived by it."""
+    from rlhfkit import distributed as dist
+    from rlhfkit.errors import CheckpointError
+    from rlhfkit.resume import RunState
+
+    saved = {"world_size": 2, "config": {"learning_rate": 0.1}}
+    monkeypatch.setattr(dist, "world_size", lambda: 1)
+    for allow in (False, True):
+        state = RunState(str(tmp_path), {}, {"learning_rate": 0.1}, resume="auto", allow_config_change=allow)
+        with pytest.raises(CheckpointError, match="saved with 2 ranks and this one has 1.*start 2 ranks"):
+            state._check_config(saved, tmp_path)
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    RunState(str(tmp_path), {}, {"learning_rate": 0.2}, allow_config_change=True)._check_config(saved, tmp_path)
+    with pytest.raises(CheckpointError, match="--learning_rate 0.1 -> 0.2"):
+        RunState(str(tmp_path), {}, {"learning_rate": 0.2})._check_config(saved, tmp_path)
