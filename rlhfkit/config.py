@@ -145,6 +145,10 @@ class LogArgs:
     save_interval: int = arg(0, "Save a training state every N optimiser steps under <output_dir>/training_state (0: never).")
     keep_last_k: int = arg(2, "Training states kept; older ones are deleted once a newer one is complete.")
     resume: Optional[str] = arg(None, "'auto' (the newest complete state in --output_dir, if any) or a training-state directory.")
+    preempt_signals: str = arg("SIGTERM,SIGUSR1", "Signals that preempt the run (comma-separated; none: none): every rank "
+                                                   "ends its step, a training state is saved, and the program exits with "
+                                                   "status 75 (README, Preemption). A requeued SLURM job "
+                                                   "(SLURM_RESTART_COUNT > 0) resumes by itself.")
     resume_allow_config_change: bool = arg(False, "Resume even if settings that change the run differ from the saved run's.")
     max_nonfinite_steps: int = arg(10, "Stop after this many consecutive NaN/Inf losses (each such update is skipped).")
 

@@ -16,8 +16,13 @@ from rlhfkit.errors import RlhfkitError
 
 def run_main(main: Callable[[], Any]) -> None:
     """Run a program's ``main``: user errors print one message (no traceback) and exit with status 2."""
+    from rlhfkit.preempt import PREEMPTED_EXIT, Preempted
+
     try:
         main()
+    except Preempted as e:
+        print(str(e), file=sys.stderr, flush=True)
+        sys.exit(PREEMPTED_EXIT)
     except RlhfkitError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -62,13 +67,17 @@ def silence_libraries() -> None:
 
 def start_program(config_cls: type) -> Any:
     """Parse the program's config, quiet the libraries, join the process group (keeping freed host
-    memory on the CPU: :func:`join_process_group`), seed everything."""
+    memory on the CPU: :func:`join_process_group`), seed everything, catch the preemption signals."""
     from rlhfkit.config import parse_config
+
+    from rlhfkit import preempt
 
     cfg = parse_config(config_cls)
     silence_libraries()
     join_process_group(cfg.dist_timeout_s)
     dist.set_seed(cfg.seed)
+    preempt.install(cfg.preempt_signals)
+    cfg.resume = preempt.requeued_resume(cfg.resume)
     return cfg
 
 

@@ -64,6 +64,16 @@ def _files_with_hashes(directory: Path) -> dict:
             for f in sorted(directory.rglob("*")) if f.is_file() and f.name != STATE_FILE}
 
 
+def _fsync_tree(directory: Path) -> None:
+    """fsync every file under ``directory`` and the directories themselves."""
+    for path in sorted(directory.rglob("*")) + [directory]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def verify_state(path: Path) -> Optional[str]:
     """None if the state at ``path`` is complete and intact, else what is wrong."""
     meta = path / STATE_FILE
@@ -199,6 +209,7 @@ class RunState:
                      "world_size": dist.world_size(), "files": _files_with_hashes(tmp),
                      "trackers": self.logger.tracker_ids() if self.logger is not None else {}}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+            _fsync_tree(tmp)  # on a network file system the rename must not overtake the data
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)

@@ -117,9 +117,8 @@ def fit(
             if eval_interval and res.steps % eval_interval == 0 and res.steps < total_steps:
                 _evaluate(res, evaluate, logger, write=bar.write)
                 engine.train()
-            if run_state is not None and run_state.due(res.steps):
-                run_state.save(res.steps, {"epoch": epoch, "batch_in_epoch": index + 1, "samples": res.samples, "tokens": res.tokens},
-                               extra={"evals": res.evals})
+            if run_state is not None:
+                _save_if_due_or_preempted(run_state, res, epoch, index)
             if res.steps >= total_steps:
                 break
     bar.close()
@@ -128,6 +127,18 @@ def fit(
     if not res.evals or res.evals[-1]["step"] != res.steps:
         _evaluate(res, evaluate, logger)
     return res
+
+
+def _save_if_due_or_preempted(run_state: Any, res: LoopResult, epoch: int, index: int) -> None:
+    """Save a training state every --save_interval steps, and when a rank got a preemption signal (then
+    stop: :class:`rlhfkit.preempt.Preempted`). Collective."""
+    from rlhfkit import preempt
+
+    counters = {"epoch": epoch, "batch_in_epoch": index + 1, "samples": res.samples, "tokens": res.tokens}
+    path = run_state.save(res.steps, counters, extra={"evals": res.evals}) if run_state.due(res.steps) else None
+    if preempt.stop_requested():
+        path = path or run_state.save(res.steps, counters, extra={"evals": res.evals})
+        raise preempt.stop(str(path), res.steps)
 
 
 @dataclass

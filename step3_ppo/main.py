@@ -245,8 +245,7 @@ def main() -> None:
             print_sample(collected.exp, tokenizer, bar.write)
         if len(evaluate) and cfg.eval_interval and step % cfg.eval_interval == 0 and step < total_steps:
             evaluate_at(step, evaluate, progress, logger, write=bar.write)
-        if run_state.due(step):
-            progress.save(run_state, kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
+        progress.checkpoint(run_state, kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
         bar.update(1)
     bar.close()
     seconds = time.time() - t_start

@@ -40,15 +40,24 @@ class Progress:
             ema.load_state_dict(restored["rank_extra"]["ema"])
 
     def save(self, run_state: Any, kl_ctl: Any, ema: Optional[Any], reward_norm: Optional[Any] = None,
-             reward_fns: Optional[Any] = None) -> None:
-        """Write a training state at the current step."""
+             reward_fns: Optional[Any] = None) -> Any:
+        """Write a training state at the current step; returns its path."""
         counters = {"samples": self.samples, "tokens": self.tokens, "prompts": self.prompts.position(),
                     **({"ptx": self.ptx.position()} if self.ptx is not None else {})}
         extra = {"kl_ctl": kl_ctl.state_dict(), "evals": self.evals,
                  **({"reward_norm": reward_norm.state_dict()} if reward_norm is not None else {}),
                  **({"reward_fn_norms": reward_fns.state_dict()} if reward_fns else {})}
-        run_state.save(self.step, counters, extra=extra,
-                       rank_extra={"ema": ema.state_dict()} if ema is not None else None)
+        return run_state.save(self.step, counters, extra=extra,
+                              rank_extra={"ema": ema.state_dict()} if ema is not None else None)
+
+    def checkpoint(self, run_state: Any, *parts: Any) -> None:
+        """Save a training state every --save_interval steps, and when a rank got a preemption signal (then
+        stop: :class:`rlhfkit.preempt.Preempted`). ``parts``: :meth:`save`'s. Collective."""
+        from rlhfkit import preempt
+
+        path = self.save(run_state, *parts) if run_state.due(self.step) else None
+        if preempt.stop_requested():
+            raise preempt.stop(str(path or self.save(run_state, *parts)), self.step)
 
 
 def update_kl_controller(kl_ctl: Any, exp: Experience) -> None:
