@@ -1,7 +1,7 @@
-"""Preemption through the real programs (step 1, and step 3 with GRPO) on 2 ranks, ZeRO-3: SIGTERM to the whole process group (as
-srun and scancel deliver it) mid-run; every rank ends its step, one training state is saved and named, the
-ranks exit 75; a requeued job (SLURM_RESTART_COUNT) resumes by itself and ends bit-identical to an
-uninterrupted run. Also the signal names by hand."""
+"""Preemption through the real programs (step 1, and step 3 with GRPO) on 2 ranks, ZeRO-3: SIGTERM to the
+whole process group (as srun and scancel deliver it) mid-run; every rank ends its step, one training state is
+saved and named, the ranks exit 75; a requeued job (SLURM_RESTART_COUNT) resumes by itself, and the run ends
+bit-identical to an uninterrupted one. Also the signal names by hand."""
 
 import json
 import os
