@@ -76,8 +76,9 @@ def start_program(config_cls: type) -> Any:
     silence_libraries()
     join_process_group(cfg.dist_timeout_s)
     dist.set_seed(cfg.seed)
-    preempt.install(cfg.preempt_signals)
-    cfg.resume = preempt.requeued_resume(cfg.resume)
+    preempt.install(getattr(cfg, "preempt_signals", "none"))  # every program's config has both (LogArgs)
+    if hasattr(cfg, "resume"):
+        cfg.resume = preempt.requeued_resume(cfg.resume)
     return cfg
 
 
