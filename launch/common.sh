@@ -273,7 +273,7 @@ run_stage() {
     esac
   done
   if [ -z "$out" ]; then
-    "${cmd[@]}"
+    rk_run_passing_signals "" "${cmd[@]}"
     return
   fi
   local log="$out/logs/train.log"
@@ -281,7 +281,63 @@ run_stage() {
   mkdir -p "$out/logs"
   { echo "=== $(date '+%F %T') $(hostname)"; echo "$shown"; } >>"$log"
   rk_log "log: $log"
-  "${cmd[@]}" 2>&1 | tee -a "$log"
+  rk_run_passing_signals "$log" "${cmd[@]}"
+}
+
+# ---- preemption: a signal to this shell reaches the ranks ---------------------------------------
+# `sbatch --signal=B:USR1@120` (and any kill of this script's pid) signals the batch shell only, and
+# DeepSpeed's launcher passes neither SIGUSR1 nor, on one node, SIGTERM on. So the stage runs in the
+# background while this shell waits; SIGTERM or SIGUSR1 to it goes to this node's ranks (the outermost
+# processes below the launcher with LOCAL_RANK in their environment), which save a training state at the
+# end of their step (the ranks agree, so one node's ranks are enough) and exit 75. The shell waits for
+# them, and returns 75 when the log names the saved state. A signal to the whole job (srun, scancel)
+# reaches the ranks directly as well; they ignore the repeats.
+RK_PREEMPT_RANKS=()
+
+# rk_rank_pids ROOT: the ranks among ROOT's descendants.
+rk_rank_pids() {
+  local p
+  for p in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^LOCAL_RANK='; then echo "$p"; else rk_rank_pids "$p"; fi
+  done
+}
+
+rk_pass_signal() {  # SIG ROOT
+  local p
+  mapfile -t RK_PREEMPT_RANKS < <(rk_rank_pids "$2")
+  rk_log "SIG$1 received: passing it to the ranks (pids ${RK_PREEMPT_RANKS[*]:-none found})"
+  for p in "${RK_PREEMPT_RANKS[@]}"; do kill -s "$1" "$p" 2>/dev/null || true; done
+}
+
+# rk_run_passing_signals LOG CMD...: run CMD (output also appended to LOG unless LOG is "") and return its
+# status, or 75 after a passed-on signal whose save the log confirms.
+rk_run_passing_signals() {
+  local log=$1; shift
+  RK_PREEMPT_RANKS=()
+  if [ -n "$log" ]; then  # tee ignores the signals, so it outlives a signal to the whole job and logs the save
+    ( trap - INT QUIT; exec "$@" > >(trap '' TERM USR1; exec tee -a "$log") 2>&1 ) &
+  else
+    ( trap - INT QUIT; exec "$@" ) &
+  fi
+  local pid=$! rc
+  trap 'rk_pass_signal TERM '"$pid" TERM
+  trap 'rk_pass_signal USR1 '"$pid" USR1
+  while :; do
+    rc=0; wait "$pid" || rc=$?
+    if [ "$rc" -le 128 ] || ! kill -0 "$pid" 2>/dev/null; then break; fi  # else a trap ended the wait
+  done
+  trap - TERM USR1
+  local p waited=0
+  for p in "${RK_PREEMPT_RANKS[@]}"; do  # the launcher may go first; the ranks finish their save
+    while kill -0 "$p" 2>/dev/null && [ $waited -lt 600 ]; do sleep 1; waited=$(( waited + 1 )); done
+  done
+  sleep 0.2  # tee's last lines
+  if [ ${#RK_PREEMPT_RANKS[@]} -gt 0 ] && [ "$rc" != 0 ] && [ -n "$log" ] \
+     && grep -q 'training state saved in' < <(tail -n 50 "$log"); then
+    rk_log "preempted: the training state is saved; rerun with --resume auto (a requeued SLURM job does this itself)"
+    return 75
+  fi
+  return "$rc"
 }
 
 # rk_prepare_base DIR: `rlhfkit prepare-base --out DIR` unless DIR already holds a checkpoint.
