@@ -243,6 +243,24 @@ def add_serve_rm_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve_rm)
 
 
+# ----------------------------------------------------------------------------------------------
+# plan
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    from rlhfkit.plan import run
+
+    run(args)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from rlhfkit.plan import DESCRIPTION, add_arguments
+
+    p = sub.add_parser("plan", help="per-rank memory of a program, from a model config, before it runs", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_prepare_base_parser,
     add_chat_parser,
@@ -252,6 +270,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_best_of_n_parser,
     add_make_arithmetic_parser,
     add_serve_rm_parser,
+    add_plan_parser,
 ]
 
 

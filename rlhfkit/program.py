@@ -20,6 +20,7 @@ def run_main(main: Callable[[], Any]) -> None:
 
     try:
         main()
+        _report_memory()
     except Preempted as e:
         print(str(e), file=sys.stderr, flush=True)
         sys.exit(PREEMPTED_EXIT)
@@ -72,6 +73,11 @@ def start_program(config_cls: type) -> Any:
 
     from rlhfkit import preempt
 
+    if os.environ.get("RLHFKIT_REPORT_MEMORY") == "1":  # the baseline: every library the run imports, nothing else
+        import deepspeed  # noqa: F401
+        import transformers  # noqa: F401
+
+        _RSS_AT_START["gb"] = rss_gb() if not torch.cuda.is_available() else 0.0
     cfg = parse_config(config_cls)
     silence_libraries()
     join_process_group(cfg.dist_timeout_s)
@@ -131,6 +137,27 @@ def make_logger(cfg: Any, program: str):
 
     return MetricsLogger(os.path.join(cfg.output_dir, "logs"), cfg.enable_tensorboard, cfg.tensorboard_path, program,
                          cfg.report_to, config_dict(cfg))
+
+
+def rss_gb() -> float:
+    """Resident memory of this process now, in GiB (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        return 0.0
+
+
+_RSS_AT_START = {"gb": None}  # the resident memory once the program's imports are done (start_program)
+
+
+def _report_memory() -> None:
+    """With RLHFKIT_REPORT_MEMORY=1, every rank prints its peak memory and what its imports took, the figures
+    ``rlhfkit plan`` is checked against (bench/plan_check.py)."""
+    if os.environ.get("RLHFKIT_REPORT_MEMORY") != "1" or _RSS_AT_START["gb"] is None:
+        return
+    print(f"[memory] rank {dist.rank()}: peak {peak_rss_gb():.3f} GiB, after imports {_RSS_AT_START['gb']:.3f} GiB",
+          flush=True)
 
 
 def peak_rss_gb() -> float:
