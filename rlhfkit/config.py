@@ -150,6 +150,10 @@ class LogArgs:
                                                    "status 75 (README, Preemption). A requeued SLURM job "
                                                    "(SLURM_RESTART_COUNT > 0) resumes by itself.")
     resume_allow_config_change: bool = arg(False, "Resume even if settings that change the run differ from the saved run's.")
+    resume_allow_world_size_change: bool = arg(
+        False, "Resume a training state saved with another number of ranks (steps 1, 2 and DPO): the ZeRO state is "
+        "re-partitioned and the global batch kept by changing the per-rank micro-batch or the gradient accumulation; "
+        "not bit-identical to an uninterrupted run (README, Training states).")
     max_nonfinite_steps: int = arg(10, "Stop after this many consecutive NaN/Inf losses (each such update is skipped).")
 
 

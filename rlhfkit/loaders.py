@@ -33,15 +33,25 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
     ``mega`` global batches, each sorted by length and cut into global batches, whose order is shuffled
     again; rank ``rank`` of ``world`` takes its slice of every global batch. Padding shrinks to the
     length spread inside a batch, every rank gets the same number of rows (the tail wraps around), and
-    the same-step ranks see similar lengths, so ZeRO-3 ranks wait less for each other."""
+    the same-step ranks see similar lengths, so ZeRO-3 ranks wait less for each other.
 
-    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, *, world: int, rank: int, mega: int = 16):
+    ``order_batch`` (default ``batch_size * world``) is the size of the global batches the order is
+    built from. A run resumed on another number of ranks (:mod:`rlhfkit.resume_reshard`) passes the
+    saved run's, so that the epoch's order of rows is the same; it then cuts that order into its own
+    global micro-batches of ``batch_size * world`` rows (which must divide ``order_batch``), and
+    rank ``rank`` takes its slice of each."""
+
+    def __init__(self, lengths: Sequence[int], batch_size: int, seed: int, *, world: int, rank: int, mega: int = 16,
+                 order_batch: Optional[int] = None):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a world of {world}")
         self.lengths, self.batch_size, self.seed, self.mega = list(lengths), batch_size, seed, mega
         self.world, self.rank, self.epoch = world, rank, 0
         self.global_batch = batch_size * world
-        self.num_batches = max(1, math.ceil(len(self.lengths) / self.global_batch))
+        self.order_batch = order_batch or self.global_batch
+        if self.order_batch % self.global_batch:
+            raise ValueError(f"global micro-batch {self.global_batch} does not divide the order's batch {self.order_batch}")
+        self.num_batches = max(1, math.ceil(len(self.lengths) / self.order_batch)) * (self.order_batch // self.global_batch)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -55,22 +65,28 @@ class LengthGroupedSampler(torch.utils.data.Sampler):
         total = self.num_batches * self.global_batch
         order = (order * math.ceil(total / max(len(order), 1)))[:total]
         batches = []
-        span = self.global_batch * self.mega
+        unit = self.order_batch
+        span = unit * self.mega
         for start in range(0, total, span):
             chunk = sorted(order[start:start + span], key=lambda i: self.lengths[i], reverse=True)
-            batches += [chunk[i:i + self.global_batch] for i in range(0, len(chunk), self.global_batch)]
-        for b in torch.randperm(len(batches), generator=g).tolist():
-            yield from batches[b][self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+            batches += [chunk[i:i + unit] for i in range(0, len(chunk), unit)]
+        rows = [i for b in torch.randperm(len(batches), generator=g).tolist() for i in batches[b]]
+        for start in range(0, total, self.global_batch):
+            yield from rows[start + self.rank * self.batch_size:start + (self.rank + 1) * self.batch_size]
 
 
 def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, seed: int,
-                 lengths: Optional[Sequence[int]] = None) -> DataLoader:
+                 lengths: Optional[Sequence[int]] = None, order_batch: Optional[int] = None) -> DataLoader:
     """A shuffled loader sharded over ranks; every rank gets the same number of batches (ZeRO-3
     needs all ranks in every forward pass), deterministic for a seed (call ``set_epoch``). With
-    ``lengths``, batches group rows of similar length (less padding, same rows per epoch)."""
+    ``lengths``, batches group rows of similar length (less padding, same rows per epoch), in the
+    order built from global batches of ``order_batch`` rows (:class:`LengthGroupedSampler`)."""
     if lengths is not None:
-        sampler = LengthGroupedSampler(lengths, batch_size, seed, world=dist.world_size(), rank=dist.rank())
+        sampler = LengthGroupedSampler(lengths, batch_size, seed, world=dist.world_size(), rank=dist.rank(),
+                                       order_batch=order_batch)
     else:
+        if order_batch not in (None, batch_size * dist.world_size()):
+            raise ValueError("a data order of another world size needs the length-grouped sampler")
         sampler = DistributedSampler(ListDataset(features), num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True,
                                      seed=seed, drop_last=False)
     # Its own generator: a DataLoader otherwise draws a seed from the global RNG each time an epoch

@@ -11,7 +11,15 @@
 A state is written under ``.step_<N>.tmp`` and renamed when complete; ``--resume auto`` takes the
 newest state whose files match their hashes (skipping, with a message, any that do not), while a
 state named explicitly must be complete. A resume whose config differs in a field that changes the
-run (world size, batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``.
+run (batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``.
+
+A resume on another number of ranks is refused unless ``--resume_allow_world_size_change`` (which
+``--resume_allow_config_change`` does not imply), and in step 3 always. With it, steps 1, 2 and DPO
+re-partition the engines' ZeRO state through DeepSpeed's universal checkpoint, keep the global batch
+and the data position, and map the RNG streams deterministically: new rank ``r`` takes the saved
+streams of rank ``r % N`` (N: the saved world size). The details are in :mod:`rlhfkit.resume_reshard`.
+A state records the batch layout it was trained with (``layout``), so that a run resumed on another
+number of ranks, saved and resumed again, keeps it.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ STATE_DIR = "training_state"
 STATE_FILE = "state.json"
 # Fields that may differ between the interrupted run and its resumption.
 FREE_FIELDS = {
-    "resume", "resume_allow_config_change", "max_steps", "num_train_epochs", "eval_interval", "log_interval", "save_interval",
+    "resume", "resume_allow_config_change", "resume_allow_world_size_change", "max_steps", "num_train_epochs", "eval_interval", "log_interval", "save_interval",
     "keep_last_k", "progress_bar", "enable_tensorboard", "tensorboard_path", "local_rank", "dist_timeout_s",
     "max_nonfinite_steps", "print_answers", "print_answers_interval", "output_dir", "max_eval_samples",
     "eval_n_samples_per_prompt", "eval_greedy",
@@ -106,6 +114,33 @@ def find_states(output_dir: str) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and _step_of(p) >= 0), key=_step_of)
 
 
+def _pick_local(resume: Optional[str], output_dir: str) -> Optional[Path]:
+    if not resume:
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume {resume}: no such training state directory")
+        problem = verify_state(path)
+        if problem:
+            raise CheckpointError(f"--resume {resume}: the training state is incomplete or corrupted: {problem}")
+        return path
+    for path in reversed(find_states(output_dir)):
+        problem = verify_state(path)
+        if problem is None:
+            return path
+        dist.print_rank0(f"[resume] skipping {path}: {problem}")
+    dist.print_rank0(f"[resume] no complete training state under {Path(output_dir) / STATE_DIR}; starting from the beginning")
+    return None
+
+
+def pick_state(resume: Optional[str], output_dir: str) -> Optional[str]:
+    """The training state ``--resume`` names (``auto``: the newest complete one under ``output_dir``),
+    as rank 0 found it, or None. Collective."""
+    path = _pick_local(resume, output_dir)
+    return dist.broadcast_object(str(path) if path else None)
+
+
 class RunState:
     """Saves and restores the training state of one run. All methods are collective."""
 
@@ -121,34 +156,19 @@ class RunState:
         self.allow_config_change = allow_config_change
         self.last_saved: Optional[Path] = None
         self.logger: Optional[Any] = None  # a MetricsLogger: its tracker run ids are saved and restored
+        # the supervised programs' batch layout (rlhfkit.resume_reshard.resume_layout), which also holds the
+        # state it picked; only with one may a state of another world size be resumed
+        self.layout: Optional[Any] = None
 
     # -- choosing the state to resume from ------------------------------------------------------
 
-    def _pick(self) -> Optional[Path]:
-        if not self.resume:
-            return None
-        if self.resume != "auto":
-            path = Path(self.resume)
-            if not path.is_dir():
-                raise CheckpointError(f"--resume {self.resume}: no such training state directory")
-            problem = verify_state(path)
-            if problem:
-                raise CheckpointError(f"--resume {self.resume}: the training state is incomplete or corrupted: {problem}")
-            return path
-        for path in reversed(find_states(self.output_dir)):
-            problem = verify_state(path)
-            if problem is None:
-                return path
-            dist.print_rank0(f"[resume] skipping {path}: {problem}")
-        dist.print_rank0(f"[resume] no complete training state under {self.root}; starting from the beginning")
-        return None
-
     def _check_config(self, saved: dict, path: Path) -> None:
         if saved.get("world_size") != dist.world_size():  # --resume_allow_config_change does not waive this
-            raise CheckpointError(f"--resume {path}: the run was saved with {saved.get('world_size')} ranks and this one has "
-                                  f"{dist.world_size()}. A training state resumes on the same number of ranks only (its "
-                                  f"ZeRO shards, data shards and per-rank RNG streams are per rank); start "
-                                  f"{saved.get('world_size')} ranks (--num_gpus / --num_nodes).")
+            from rlhfkit.resume_reshard import world_size_refusal
+
+            supported = self.layout is not None
+            if not (supported and self.config.get("resume_allow_world_size_change")):
+                raise CheckpointError(world_size_refusal(path, saved.get("world_size"), dist.world_size(), supported))
         old, new = saved.get("config", {}), self.config
         diff = sorted(k for k in set(old) | set(new) if k not in FREE_FIELDS and old.get(k) != new.get(k))
         if not diff:
@@ -162,19 +182,21 @@ class RunState:
 
     def restore(self) -> Optional[dict]:
         """Load the chosen state into the engines and the RNGs; return its counters and extras."""
-        path = self._pick()
-        path = dist.broadcast_object(str(path) if path else None)
+        path = self.layout.state if self.layout is not None else pick_state(self.resume, self.output_dir)
         if path is None:
             return None
         path = Path(path)
         saved = json.loads((path / STATE_FILE).read_text())
         self._check_config(saved, path)
-        for name, engine in self.engines.items():
-            load_path, _ = engine.load_checkpoint(str(path / name), tag="ds", load_optimizer_states=True,
-                                                  load_lr_scheduler_states=True)
-            if load_path is None:
-                raise CheckpointError(f"--resume {path}: DeepSpeed could not load the {name} engine state")
-        r = dist.rank()
+        saved_world = saved["world_size"]
+        if saved_world != dist.world_size():
+            from rlhfkit.resume_reshard import load_resharded, resharded_counters
+
+            load_resharded(self.engines, path)
+            saved["counters"] = resharded_counters(saved["counters"], self.layout)
+        else:
+            self._load_engines(path)
+        r = dist.rank() % saved_world  # another world size: new rank r takes saved rank r % N's streams
         _set_rng_state(torch.load(path / f"rng_rank{r}.pt", weights_only=True))
         extra_file = path / f"extra_rank{r}.pt"
         saved["rank_extra"] = torch.load(extra_file, weights_only=True) if extra_file.exists() else {}
@@ -182,6 +204,13 @@ class RunState:
             self.logger.resume_trackers(saved.get("trackers", {}))
         dist.print_rank0(f"[resume] continuing from {path} (step {saved['counters']['step']})")
         return saved
+
+    def _load_engines(self, path: Path) -> None:
+        for name, engine in self.engines.items():
+            load_path, _ = engine.load_checkpoint(str(path / name), tag="ds", load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
+            if load_path is None:
+                raise CheckpointError(f"--resume {path}: DeepSpeed could not load the {name} engine state")
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -208,6 +237,8 @@ class RunState:
             state = {"counters": {"step": step, **counters}, "extra": extra or {}, "config": self.config,
                      "world_size": dist.world_size(), "files": _files_with_hashes(tmp),
                      "trackers": self.logger.tracker_ids() if self.logger is not None else {}}
+            if self.layout is not None:
+                state["layout"] = self.layout.to_json()
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
             _fsync_tree(tmp)  # on a network file system the rename must not overtake the data
             if final.exists():

@@ -28,6 +28,7 @@ from rlhfkit.data import collate_sft, tokenize_sft  # noqa: E402
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
+from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step1_sft.config import SFTConfig  # noqa: E402 - SFTConfig: its former home was this module
@@ -113,9 +114,11 @@ def main() -> None:
     collate = functools.partial(collate_sft, pad_token_id=pad)
 
     # 3. The model as a DeepSpeed training engine (LoRA optional).
-    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    layout = resume_layout(cfg)  # the saved run's batch layout when --resume continues one
+    plan = batch_plan(layout.micro_batch, layout.grad_accum)
     loader = train_loader(train_set, collate, plan.micro_batch, cfg.seed,
-                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None,
+                          order_batch=layout.order_batch)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=pad)
     logger = make_logger(cfg, "sft")
@@ -129,7 +132,7 @@ def main() -> None:
                  evaluate=functools.partial(sft.evaluate, eval_set, collate, cfg.per_device_eval_batch_size),
                  total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
                  eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="sft",
-                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}, logger),
+                 progress_bar=cfg.progress_bar, run_state=with_layout(make_run_state(cfg, {"model": engine}, logger), layout),
                  max_nonfinite_steps=cfg.max_nonfinite_steps)
 
     # 5. Export the checkpoint directory.

@@ -38,6 +38,7 @@ from rlhfkit.engines import batch_plan, build_frozen_engine, count_steps, traina
 from rlhfkit.loaders import eval_batches, feature_length, to_device, train_loader  # noqa: E402
 from rlhfkit.models import attention_kernel_of, load_model, load_tokenizer, pair_logprobs, pair_response_lengths  # noqa: E402
 from rlhfkit.models.gathered import GatheredCopy  # noqa: E402
+from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_dpo.config import LOSS_TYPES, DPOArgs, DPOConfig  # noqa: E402, F401 - DPOArgs, LOSS_TYPES: their former home
@@ -208,9 +209,11 @@ def main() -> None:
     eval_collate = functools.partial(collate_pairs, pad_token_id=pad)
 
     # 3. The policy as a DeepSpeed training engine (LoRA optional).
-    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    layout = resume_layout(cfg)  # the saved run's batch layout when --resume continues one
+    plan = batch_plan(layout.micro_batch, layout.grad_accum)
     loader = train_loader(train_set, train_collate, plan.micro_batch, cfg.seed,
-                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None,
+                          order_batch=layout.order_batch)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "causal_lm", plan=plan, total_steps=total_steps, pad_token_id=pad,
                               row_len=2 * cfg.max_seq_len if cfg.pack_pairs and not kto else cfg.max_seq_len)
@@ -228,7 +231,7 @@ def main() -> None:
                  evaluate=functools.partial(dpo.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size),
                  total_steps=total_steps, epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum,
                  eval_interval=cfg.eval_interval, log_interval=cfg.log_interval, logger=logger, program="dpo",
-                 progress_bar=cfg.progress_bar, run_state=make_run_state(cfg, {"model": engine}, logger),
+                 progress_bar=cfg.progress_bar, run_state=with_layout(make_run_state(cfg, {"model": engine}, logger), layout),
                  max_nonfinite_steps=cfg.max_nonfinite_steps, sequences_per_row=2 if cfg.pack_pairs and not kto else 1)
 
     # 6. Export the policy as an actor-type checkpoint directory.

@@ -29,6 +29,7 @@ from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # 
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
+from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
@@ -121,9 +122,11 @@ def main() -> None:
     eval_collate = functools.partial(collate_pairs, pad_token_id=pad)
 
     # 3. The reward model (a one-label sequence classifier; fresh score head) as a DeepSpeed training engine.
-    plan = batch_plan(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps)
+    layout = resume_layout(cfg)  # the saved run's batch layout when --resume continues one
+    plan = batch_plan(layout.micro_batch, layout.grad_accum)
     loader = train_loader(train_set, train_collate, plan.micro_batch, cfg.seed,
-                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None)
+                          lengths=[feature_length(f) for f in train_set] if cfg.group_by_length else None,
+                          order_batch=layout.order_batch)
     total_steps = count_steps(len(loader), plan.grad_accum, cfg.num_train_epochs, cfg.max_steps)
     engine = trainable_engine(cfg, "reward", plan=plan, total_steps=total_steps, pad_token_id=pad,
                               row_len=2 * cfg.max_seq_len if cfg.pack_pairs else cfg.max_seq_len)
@@ -143,7 +146,8 @@ def main() -> None:
         result = fit(engine, loader, compute_loss=pairwise, evaluate=evaluate, total_steps=total_steps,
                      epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,
                      log_interval=cfg.log_interval, logger=logger, program="reward", progress_bar=cfg.progress_bar,
-                     run_state=make_run_state(cfg, {"model": engine}, logger), max_nonfinite_steps=cfg.max_nonfinite_steps,
+                     run_state=with_layout(make_run_state(cfg, {"model": engine}, logger), layout),
+                     max_nonfinite_steps=cfg.max_nonfinite_steps,
                      sequences_per_row=2 if cfg.pack_pairs else 1)
 
     # 5. Export the reward-type checkpoint directory.
