@@ -94,12 +94,17 @@ class Batcher:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        carried = None  # a request that did not fit the last batch: it starts the next one
         while True:
-            jobs = [await self.queue.get()]
-            size = len(jobs[0][0])
-            while not self.queue.empty() and size + len(self.queue._queue[0][0]) <= self.max_batch:
-                jobs.append(self.queue.get_nowait())
-                size += len(jobs[-1][0])
+            jobs = [carried if carried is not None else await self.queue.get()]
+            carried, size = None, len(jobs[0][0])
+            while not self.queue.empty():
+                job = self.queue.get_nowait()
+                if size + len(job[0]) > self.max_batch:
+                    carried = job
+                    break
+                jobs.append(job)
+                size += len(job[0])
             try:
                 scores = await loop.run_in_executor(None, self.score_in_batches, [rows for rows, _ in jobs])
             except Exception as e:  # noqa: BLE001 - answer every waiting request, keep serving
