@@ -37,8 +37,8 @@ BUCKET_ELEMENTS = 2e7  # rlhfkit.ds_config's reduce and allgather buckets (ZeRO 
 # fitted on FIT_CASES by bench/plan_check.py --fit (step 1: 1 rank ZeRO-0 gives the runtime constant, then 2 ranks
 # ZeRO-3 the CPU collective buffers), checked on the other rows
 ACTIVATION_SCALE = 1.0
-RUNTIME_GIB = 0.32
-CPU_COLLECTIVE_BYTES = 4.8  # per gathered parameter: ZeRO-3's gathers and reduce-scatters through gloo on the CPU
+RUNTIME_GIB = 0.82
+CPU_COLLECTIVE_BYTES = 2.8  # per gathered parameter: ZeRO-3's gathers and reduce-scatters through gloo on the CPU
 FIT_CASES = {("step1", 1, 0), ("step1", 2, 3)}
 PROGRAMS = ("step1", "step2", "dpo", "step3")
 
@@ -164,8 +164,9 @@ def model_states(name: str, n_params: int, trainable: int, s: PlanSettings, trai
     # mixed precision: fp32 gradients for the step (DeepSpeed's bf16 optimizer keeps them whole at ZeRO-0)
     grads32 = 4 * trainable / shard[1] if b < 4 else 0
     lines.append(Line(name, "optimizer states (fp32 master + Adam)", optim / shard[1], host=s.offload))
-    if grads32:
-        lines.append(Line(name, "fp32 gradients", grads32, host=s.offload))
+    if grads32:  # made for the optimizer step, when the activations are gone
+        lines.append(Line(name, "fp32 gradients (optimizer step)", grads32, phase=f"{train_phase}: optimizer step",
+                          host=s.offload))
     if s.zero_stage >= 1:
         lines.append(Line(name, "ZeRO buckets", 2 * BUCKET_ELEMENTS * b))
     if s.zero_stage == 3:
