@@ -313,11 +313,11 @@ def render(p: Plan) -> list[str]:
     s = p.settings
     out = [f"{s.program}: {s.world_size} rank(s), ZeRO-{s.zero_stage}{' + offload' if s.offload else ''}, {s.dtype}"
            f"{f', LoRA {s.lora_dim}' if s.lora_dim else ''}{', gradient checkpointing' if s.gradient_checkpointing else ''}",
-           f"{'model':16} {'part':48} {'GiB/rank':>9}  phase"]
+           f"{'model':16} {'part':56} {'GiB/rank':>9}  phase"]
     for ln in p.lines:
-        out.append(f"{ln.model:16} {ln.part:48} {ln.gib:9.3f}  {ln.phase}{' (host)' if ln.host else ''}")
+        out.append(f"{ln.model:16} {ln.part:56} {ln.gib:9.3f}  {ln.phase}{' (host)' if ln.host else ''}")
     device, phase = p.peak(host_too=False)
-    out.append(f"{'runtime':16} {'buffers, allocator slack, data (fitted)':48} {RUNTIME_GIB:9.3f}  all")
+    out.append(f"{'runtime':16} {'buffers, allocator slack, data (fitted)':56} {RUNTIME_GIB:9.3f}  all")
     out.append(f"peak per rank: {device:.2f} GiB on the device (at {phase})"
                + (f", {p.host_total_gib - device:.2f} GiB more in host memory (offloaded)" if s.offload else ""))
     return out
