@@ -179,16 +179,26 @@ def _unshare_steps(engine: Any) -> None:
             state["step"] = state["step"].clone()
 
 
+def _check_space(path: Path, names: list[str]) -> None:
+    """The converted copy takes about as much disk as the engine states it converts."""
+    need = sum(f.stat().st_size for name in names for f in (path / name).rglob("*") if f.is_file())
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise CheckpointError(f"--resume {path}: re-partitioning the state for another number of ranks needs about "
+                              f"{need / 2**30:.2f} GiB of disk next to it, and {free / 2**30:.2f} GiB are free")
+
+
 def load_resharded(engines: dict[str, Any], path: Path) -> None:
     """Load every engine's checkpoint of the state at ``path`` into engines of another world size.
     Collective."""
     conv = path.parent / f".universal_{path.name}"
     if dist.is_main():
         shutil.rmtree(conv, ignore_errors=True)
-        for name in engines:
-            src = path / name / "ds"
-            if any(src.glob("*optim_states.pt")):  # ZeRO 1-3: partitioned, convert; ZeRO-0: whole tensors
-                _to_universal(src, conv / name / "ds")
+        # ZeRO 1-3: partitioned, convert; ZeRO-0: whole tensors, load as is
+        partitioned = [name for name in engines if any((path / name / "ds").glob("*optim_states.pt"))]
+        _check_space(path, partitioned)
+        for name in partitioned:
+            _to_universal(path / name / "ds", conv / name / "ds")
     dist.barrier()
     for name, engine in engines.items():
         universal = (conv / name / "ds").is_dir()
