@@ -141,6 +141,21 @@ def pick_state(resume: Optional[str], output_dir: str) -> Optional[str]:
     return dist.broadcast_object(str(path) if path else None)
 
 
+def world_size_refusal(path: Any, saved_world: int, world: int, supported: bool) -> str:
+    """The message of a refused resume on another number of ranks."""
+    if not supported:
+        return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}, and this "
+                f"program resumes on the same number of ranks only (--resume_allow_world_size_change covers steps 1 "
+                f"and 2 and DPO; step 3 keeps per-rank state, such as its EMA shards and rollout batches, that is not "
+                f"re-partitioned): start {saved_world} ranks (--num_gpus / --num_nodes).")
+    return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}. A training state "
+            f"resumes on the same number of ranks unless --resume_allow_world_size_change is passed "
+            f"(--resume_allow_config_change does not cover it); then the ZeRO state is re-partitioned, the global "
+            f"batch is kept by changing the per-rank micro-batch or the gradient accumulation, and the run is no "
+            f"longer bit-identical to an uninterrupted one. Pass --resume_allow_world_size_change, or start "
+            f"{saved_world} ranks (--num_gpus / --num_nodes).")
+
+
 class RunState:
     """Saves and restores the training state of one run. All methods are collective."""
 
@@ -164,8 +179,6 @@ class RunState:
 
     def _check_config(self, saved: dict, path: Path) -> None:
         if saved.get("world_size") != dist.world_size():  # --resume_allow_config_change does not waive this
-            from rlhfkit.resume_reshard import world_size_refusal
-
             supported = self.layout is not None
             if not (supported and self.config.get("resume_allow_world_size_change")):
                 raise CheckpointError(world_size_refusal(path, saved.get("world_size"), dist.world_size(), supported))
@@ -190,10 +203,7 @@ class RunState:
         self._check_config(saved, path)
         saved_world = saved["world_size"]
         if saved_world != dist.world_size():
-            from rlhfkit.resume_reshard import load_resharded, resharded_counters
-
-            load_resharded(self.engines, path)
-            saved["counters"] = resharded_counters(saved["counters"], self.layout)
+            saved["counters"] = self.layout.load_resharded(self.engines, path, saved["counters"])
         else:
             self._load_engines(path)
         r = dist.rank() % saved_world  # another world size: new rank r takes saved rank r % N's streams

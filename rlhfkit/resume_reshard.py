@@ -1,6 +1,6 @@
 """Resuming a training state on another number of ranks (``--resume_allow_world_size_change``).
 
-Steps 1, 2 and DPO only (the supervised loop); step 3 refuses (:func:`world_size_refusal`).
+Steps 1, 2 and DPO only (the supervised loop); step 3 refuses (:func:`rlhfkit.resume.world_size_refusal`).
 
 What is kept, and how:
 - the global batch (rows per optimiser step): the per-rank micro-batch and the gradient
@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from rlhfkit import distributed as dist
 from rlhfkit.errors import CheckpointError, ConfigError
+from rlhfkit.resume import STATE_FILE, pick_state, world_size_refusal
 
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
@@ -61,6 +62,12 @@ class Layout:
     def to_json(self) -> dict:
         return {"micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "order_batch": self.order_batch}
 
+    def load_resharded(self, engines: dict[str, Any], path: Path, counters: dict) -> dict:
+        """Load a state of another world size into ``engines`` (:func:`load_resharded`) -> its counters in this
+        run's micro-batches (what :class:`rlhfkit.resume.RunState` calls, without importing this module)."""
+        load_resharded(engines, path)
+        return resharded_counters(counters, self)
+
 
 def saved_layout(saved: dict) -> Layout:
     """The layout a saved state was trained with (older states: derived from their config)."""
@@ -70,21 +77,6 @@ def saved_layout(saved: dict) -> Layout:
         return Layout(lay["micro_batch"], lay["grad_accum"], n, lay["order_batch"])
     m, a = saved["config"]["per_device_train_batch_size"], saved["config"]["gradient_accumulation_steps"]
     return Layout(m, a, n, m * n)
-
-
-def world_size_refusal(path: Any, saved_world: int, world: int, supported: bool) -> str:
-    """The message of a refused resume on another number of ranks."""
-    if not supported:
-        return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}, and this "
-                f"program resumes on the same number of ranks only (--resume_allow_world_size_change covers steps 1 "
-                f"and 2 and DPO; step 3 keeps per-rank state, such as its EMA shards and rollout batches, that is not "
-                f"re-partitioned): start {saved_world} ranks (--num_gpus / --num_nodes).")
-    return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}. A training state "
-            f"resumes on the same number of ranks unless --resume_allow_world_size_change is passed "
-            f"(--resume_allow_config_change does not cover it); then the ZeRO state is re-partitioned, the global "
-            f"batch is kept by changing the per-rank micro-batch or the gradient accumulation, and the run is no "
-            f"longer bit-identical to an uninterrupted one. Pass --resume_allow_world_size_change, or start "
-            f"{saved_world} ranks (--num_gpus / --num_nodes).")
 
 
 def _divisors(n: int) -> str:
@@ -116,8 +108,6 @@ def resume_layout(cfg: Any) -> Layout:
     """The batch layout of a supervised program: from its config for a fresh start, from the state
     ``--resume`` picks otherwise (re-cut for another number of ranks where allowed). Collective; call
     before the loader and the engine are built."""
-    from rlhfkit.resume import STATE_FILE, pick_state
-
     m, a, world = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dist.world_size()
     fresh = Layout(m, a, world, m * world)
     path = pick_state(cfg.resume, cfg.output_dir)
