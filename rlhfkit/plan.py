@@ -23,6 +23,7 @@ micro batch that fits ``--device_memory_gib`` is found by trying batches in turn
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -80,8 +81,10 @@ class Arch:
         return self.layers * sum(r * (a + b) for a, b in self.linear_shapes())
 
 
+@functools.lru_cache(maxsize=16)
 def load_arch(path: str) -> Arch:
-    """A model directory (its config.json) or a config.json file; no weights are read."""
+    """A model directory (its config.json) or a config.json file; no weights are read. Cached: largest_batch
+    plans the same model once per batch size."""
     p = Path(path)
     cfg_file = p / "config.json" if p.is_dir() else p
     if not cfg_file.is_file():
