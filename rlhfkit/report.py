@@ -53,7 +53,9 @@ def program_family(program: str) -> str:
 @dataclass(frozen=True)
 class PlotSpec:
     """One PNG: ``keys`` drawn as lines on the left axis, ``right`` on a second axis; ``stack`` = stacked areas;
-    ``band`` = the standard-error series of ``keys[0]``, drawn as a shaded +- 1.96 standard errors (95%) band."""
+    ``band`` = the standard-error series of ``keys[0]``, drawn as a shaded +- 1.96 standard errors (95%) band;
+    ``x`` = another series as the x axis instead of the step (points of the same step joined in step order);
+    ``requires``: drawn only when one of these series exists."""
 
     name: str
     title: str
@@ -63,8 +65,11 @@ class PlotSpec:
     right_label: str = ""
     stack: bool = False
     band: str = ""
+    x: str = ""
+    requires: tuple[str, ...] = ()
 
 
+JUDGES = ("eval/judge", "eval/judge1", "eval/judge2", "eval/judge3")  # step 3's --judge models, one or several
 PLOTS: dict[str, tuple[PlotSpec, ...]] = {
     "sft": (
         PlotSpec("loss", "SFT loss", ("train/loss", "eval/loss"), "loss"),
@@ -95,6 +100,14 @@ PLOTS: dict[str, tuple[PlotSpec, ...]] = {
                  "reward", band="eval/reward_se"),
         PlotSpec("eval_kl", "Held-out KL to the reference (k3 on the actor's samples)", ("eval/kl_per_token",), "nats per token",
                  right=("eval/kl_per_seq",), right_label="nats per sequence"),
+        # the independent judges (--judge) on the same held-out responses, and the held-out rewards against the KL
+        # and the response length over the run: a proxy gain that the judges do not share is over-optimisation
+        PlotSpec("eval_judge", "Held-out reward under the training reward model and the judges", ("eval/reward",),
+                 "training reward model", right=JUDGES, right_label="judge", requires=JUDGES),
+        PlotSpec("eval_vs_kl", "Held-out rewards against the KL to the reference", ("eval/reward",),
+                 "training reward model", right=JUDGES, right_label="judge", x="eval/kl_per_token", requires=JUDGES),
+        PlotSpec("eval_vs_length", "Held-out rewards against the response length", ("eval/reward",),
+                 "training reward model", right=JUDGES, right_label="judge", x="eval/response_len", requires=JUDGES),
         # the gsm8k rule's parts: training samples each step, held-out prompts at each evaluation
         PlotSpec("gsm8k", "GSM8K rule: accuracy and answer format", ("reward/gsm8k_accuracy", "reward/gsm8k_format",
                                                                      "eval/gsm8k_accuracy", "eval/gsm8k_format"), "rate"),
@@ -238,14 +251,22 @@ def _draw_lines(ax, stage: Stage, keys: Iterable[str], colors: Iterable[str]) ->
 
 def plot_stage(stage: Stage, spec: PlotSpec, out_path: Path) -> bool:
     """Draw ``spec`` for ``stage`` into ``out_path``; False (nothing written) when none of its series exist."""
-    if not any(k in stage.series for k in spec.keys + spec.right):
+    if not any(k in stage.series for k in spec.keys + spec.right) or (spec.x and spec.x not in stage.series):
+        return False
+    if spec.requires and not any(k in stage.series for k in spec.requires):
         return False
     import matplotlib
 
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     with png_figure(out_path) as ax:
         handles = None
-        if spec.stack:
+        if spec.x:
+            handles = _draw_against(ax, stage, spec.keys, spec.x, colors)
+            if any(k in stage.series for k in spec.right):
+                ax2 = ax.twinx()
+                handles += _draw_against(ax2, stage, spec.right, spec.x, colors[len(spec.keys):])
+                ax2.set_ylabel(spec.right_label)
+        elif spec.stack:
             _draw_stack(ax, stage, spec, colors)
         else:
             handles = _draw_lines(ax, stage, spec.keys, colors)
@@ -255,11 +276,26 @@ def plot_stage(stage: Stage, spec: PlotSpec, out_path: Path) -> bool:
                 ax2 = ax.twinx()
                 handles += _draw_lines(ax2, stage, spec.right, colors[len(spec.keys):])
                 ax2.set_ylabel(spec.right_label)
-        label_axes(ax, f"{spec.title} — {stage.label if stage.label != '.' else stage.program}", "step", spec.ylabel,
+        label_axes(ax, f"{spec.title} — {stage.label if stage.label != '.' else stage.program}", spec.x or "step", spec.ylabel,
                    legend=False)
         if handles is not None:
             ax.legend(handles=handles, labels=[h.get_label() for h in handles], loc="best", fontsize=8)
     return True
+
+
+def _draw_against(ax, stage: Stage, keys: Iterable[str], x: str, colors: Iterable[str]) -> list:
+    """Each of ``keys`` against the series ``x`` at the steps that have both, joined in step order; the first
+    and last points are labelled with their step."""
+    handles, xs = [], dict(stage.series[x])
+    for key, color in zip(keys, colors):
+        pts = [(xs[s], v, s) for s, v in stage.series.get(key, ()) if s in xs]
+        if not pts:
+            continue
+        px, py, steps = zip(*pts)
+        handles += ax.plot(px, py, color=color, linewidth=1.4, marker="o", markersize=3, label=key)
+        for i in {0, len(pts) - 1}:
+            ax.annotate(f"step {steps[i]}", (px[i], py[i]), fontsize=7, color=color, textcoords="offset points", xytext=(3, 3))
+    return handles
 
 
 def _draw_band(ax, stage: Stage, key: str, se_key: str, color: str) -> None:

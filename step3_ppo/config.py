@@ -36,6 +36,10 @@ class Step3Models(LoadArgs):
     reward_url_timeout: float = arg(60.0, "Seconds a --reward_url request may take before it is retried.")
     reward_url_retries: int = arg(3, "Retries of a failed --reward_url request (exponential backoff from 1 s) before the run "
                                      "stops with an error naming the URL.")
+    judge: list[str] = arg([], "Held-out evaluation only: more reward models (e.g. an independent judge, trained from the base "
+                               "model on pairs that no stage of this run trained on) that score every held-out response; each "
+                               "is reported on its own (eval/judge, or eval/judge1, eval/judge2, ...) with its paired change "
+                               "over the step-1 model. Never trained on.", action="extend")
     reward_model_weight: float = arg(1.0, "Weight of the reward model in the summed reward.")
     format_bonus: float = arg(0.0, "gsm8k: extra reward when the answer is stated as '#### n' or \\boxed{n}.")
     attn_implementation: str = arg("auto", "Attention kernel of the four models, passed to transformers (sdpa, eager, "
@@ -204,6 +208,10 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
         parse_report_to(self.report_to)
         if isinstance(self.reward_url, str):
             self.reward_url = [self.reward_url]
+        if isinstance(self.judge, str):
+            self.judge = [self.judge]
+        if len(set(self.judge)) < len(self.judge):
+            raise ConfigError(f"--judge {self.judge}: a judge is given twice; each judge once")
         if not (self.reward_fn or self.reward_url or self.reward_model_name_or_path or self.critic_model_name_or_path):
             raise ConfigError("no reward: pass --reward_model_name_or_path (or --critic_model_name_or_path), --reward_fn "
                               "and/or --reward_url")

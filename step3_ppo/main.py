@@ -54,7 +54,8 @@ def check_inputs(cfg: Step3Config):
     """Every checkpoint (stage, completeness, one tokenizer) and the output directory; the tokenizer."""
     actor_manifest = check_model_dir(cfg.actor_model_name_or_path, ("sft", "base", "dpo", "actor"), "--actor_model_name_or_path")
     tokenizer = load_tokenizer(cfg.actor_model_name_or_path, cfg.trust_remote_code, padding_side="left")
-    for path, role in ((cfg.reward_path, "--reward_model_name_or_path"), (cfg.critic_path, "--critic_model_name_or_path")):
+    for path, role in ((cfg.reward_path, "--reward_model_name_or_path"), (cfg.critic_path, "--critic_model_name_or_path"),
+                       *((judge, "--judge") for judge in cfg.judge)):
         if path:
             manifest = check_model_dir(path, ("reward", "critic"), role)
             check_same_tokenizer(cfg.actor_model_name_or_path, actor_manifest, path, manifest, tokenizer,

@@ -126,6 +126,34 @@ def test_step3_held_out_learning_curve(tmp_path):
     assert band > 5000, band
 
 
+def test_judges_against_kl_and_length(tmp_path):
+    """Step 3's --judge: the held-out rewards of the training reward model and of the judge over the steps, and
+    against the held-out KL and response length (x = that series, matched by step, not the step)."""
+    run = tmp_path / "run"
+    evals = [rec("ppo", s, eval__reward=0.25 * s, eval__judge=0.1 * s, eval__kl_per_token=0.01 * s, eval__response_len=40 - s)
+             for s in (0, 3, 6)]
+    write_log(run / "step3", evals)
+    report = write_report(run, tmp_path / "rep", echo=False)
+    pngs = {p.name for p in report.parent.glob("*.png")}
+    assert {"step3_eval_judge.png", "step3_eval_vs_kl.png", "step3_eval_vs_length.png"} <= pngs
+    from rlhfkit.report import PLOTS, _draw_against, load_run
+
+    stage = load_run(run)[0]
+    spec = next(p for p in PLOTS["ppo"] if p.name == "eval_vs_kl")
+
+    class Axes:  # records what would be drawn
+        def plot(self, x, y, **kw):
+            self.drawn = (list(x), list(y))
+            return [kw["label"]]
+
+        def annotate(self, *a, **kw):
+            pass
+
+    ax = Axes()
+    assert _draw_against(ax, stage, spec.right, spec.x, ["k"] * 4) == ["eval/judge"]
+    assert ax.drawn == (pytest.approx([0.0, 0.03, 0.06]), pytest.approx([0.0, 0.3, 0.6]))
+
+
 def test_only_existing_series_are_plotted_and_default_out(tmp_path):
     run = tmp_path / "sft_only"
     write_log(run, [rec("sft", s, train__loss=1.0 / s) for s in range(1, 4)])  # the program's own output dir

@@ -53,6 +53,7 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     out = tmp_path / "ppo"
     proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--actor_zero_stage",
                                                      str(zero), "--critic_zero_stage", str(zero), "--enable_ema",
+                                                     "--judge", str(reward_dir),  # the reward model again: same scores
                                                      # ZeRO-3: the offloaded reference keeps the engine path, the rest use copies
                                                      *(["--offload_reference_model"] if zero == 3 else [])), nprocs=ranks)
     step = [r for r in read_metrics(out) if "policy/loss" in r][0]
@@ -64,7 +65,7 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     manifest = json.loads((out / "actor" / "rlhfkit.json").read_text())
     assert manifest["stage"] == "actor" and json.loads((out / "critic" / "rlhfkit.json").read_text())["stage"] == "critic"
     fp = manifest["metrics"]["frozen_fingerprints"]  # the program checks these did not move; they are recorded
-    assert set(fp) == {"reference", "reward_model"}
+    assert set(fp) == {"reference", "reward_model", "judge"}
     assert (out / "actor_ema" / "rlhfkit.json").exists()
     assert "held-out reward" in proc.stdout
     # the gain is paired by prompt over every rank's prompts: its mean is the difference of the two means
@@ -74,6 +75,11 @@ def test_ppo_step(tiny_dir, reward_dir, data, tmp_path, ranks, zero):
     assert m["eval_prompts"] == evals[-1]["eval/prompts"] == 2
     assert m["eval_reward_gain_ci"][0] <= m["eval_reward_gain"] <= m["eval_reward_gain_ci"][1]
     assert "held-out gain" in proc.stdout and "paired over 2 prompts" in proc.stdout
+    # --judge scores the same held-out responses as the training reward model (here the same model: the same
+    # scores), reported on its own, with its paired change; it never enters the training reward
+    assert [r["eval/judge"] for r in evals] == pytest.approx([r["eval/reward"] for r in evals], abs=1e-5)
+    assert m["eval_judge_change"] == pytest.approx(m["eval_reward_gain"], abs=1e-5)
+    assert "reward/judge" not in step and "held-out judge" in proc.stdout
 
 
 def test_held_out_eval_samples_and_leaves_training_as_it_was(tiny_dir, reward_dir, data, tmp_path):

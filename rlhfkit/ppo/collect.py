@@ -68,8 +68,9 @@ class ExperienceMaker:
     def score(self, batch: RolloutBatch, rows: Sequence[dict], parts: dict[str, list], training: bool = True,
               messages: Optional[list] = None) -> torch.Tensor:
         """Sequence rewards [B]: the reward model (read at the last real token) and/or the reward functions and
-        servers, weighted. ``parts`` collects per-sample reward components for the metrics; ``messages`` are the
-        samples' prompt turns (for the servers)."""
+        servers, weighted. ``parts`` collects per-sample reward components for the metrics, and in a held-out
+        evaluation each ``--judge``'s scores (not in the reward); ``messages`` are the samples' prompt turns (for
+        the servers)."""
         cfg = self.cfg
         total = torch.zeros(len(batch), device=self.device)
         if self.models.reward is not None:
@@ -80,6 +81,9 @@ class ExperienceMaker:
             responses = self.tokenizer.batch_decode(batch.response_ids, skip_special_tokens=True)
             total += self.reward_fns.score(prompts, responses, list(rows), parts, self.device, dist.all_reduce_sum, training,
                                            gsm8k_kwargs={"format_bonus": cfg.format_bonus}, messages=messages)
+        for name in self.models.judges if not training else ():
+            judged = self.models.no_grad_forward(name, sequence_scores, batch.sequences, batch.attention_mask)
+            parts.setdefault(name, []).extend(judged.float().cpu().tolist())
         return total
 
     def shaped(self, raw: torch.Tensor, batch: RolloutBatch, training: bool = True) -> torch.Tensor:

@@ -66,12 +66,15 @@ class PPOModels:
     reward: Optional[Any]  # frozen reward model (None: rule rewards only)
     rollout: RolloutEngine  # generates with the actor
     views: dict[str, GatheredCopy] = field(default_factory=dict)  # name -> gathered copy for the no-grad passes
+    judges: dict[str, Any] = field(default_factory=dict)  # name -> frozen reward model of the held-out evaluation (--judge)
 
     def no_grad_forward(self, name: str, fn: Callable[..., T], *args: Any) -> T:
         """``fn(model, *args)`` with ``model`` the gathered copy of ``name`` (actor, ref, critic, reward),
         or its engine where it has none."""
         view = self.views.get(name)
-        return fn(getattr(self, name), *args) if view is None else view.run(fn, *args)
+        if view is not None:
+            return view.run(fn, *args)
+        return fn(self.judges[name] if name in self.judges else getattr(self, name), *args)
 
     def trained(self) -> dict[str, Any]:
         """The engines a training state saves."""
@@ -79,8 +82,13 @@ class PPOModels:
 
     def frozen_fingerprints(self) -> dict[str, float]:
         """Checksums of the frozen models' weights (collective): they must not move during training."""
-        frozen = {"reference": self.ref, **({"reward_model": self.reward} if self.reward is not None else {})}
+        frozen = {"reference": self.ref, **({"reward_model": self.reward} if self.reward is not None else {}), **self.judges}
         return {k: param_fingerprint(m.module) for k, m in frozen.items()}
+
+
+def judge_names(paths: list[str]) -> list[str]:
+    """The metric names of the ``--judge`` models: ``judge`` for one, ``judge1``, ``judge2``, ... for several."""
+    return ["judge"] if len(paths) == 1 else [f"judge{i}" for i in range(1, len(paths) + 1)]
 
 
 def build_models(cfg: Any, *, actor_path: str, critic_path: Optional[str], reward_path: Optional[str], pad_id: int,
@@ -94,12 +102,15 @@ def build_models(cfg: Any, *, actor_path: str, critic_path: Optional[str], rewar
               if critic_path else None)
     reward = (load_frozen(reward_path, "reward", cfg, zero_stage=cfg.critic_zero_stage, offload=cfg.offload_reward_model,
                           pad_id=pad_id) if reward_path else None)
+    judges = {name: load_frozen(path, "reward", cfg, zero_stage=cfg.critic_zero_stage, offload=cfg.offload_reward_model,
+                                pad_id=pad_id) for name, path in zip(judge_names(cfg.judge), cfg.judge)}
     rollout = make_rollout_engine(cfg.backend, actor, cfg.rollout_options)
-    models = PPOModels(actor=actor, ref=ref, critic=critic, reward=reward, rollout=rollout)
+    models = PPOModels(actor=actor, ref=ref, critic=critic, reward=reward, rollout=rollout, judges=judges)
     if cfg.experience_on_copies:
         for name, frozen, offloaded in (("actor", False, cfg.offload), ("ref", True, cfg.offload_reference_model),
-                                        ("critic", False, cfg.offload), ("reward", True, cfg.offload_reward_model)):
-            engine = getattr(models, name)
+                                        ("critic", False, cfg.offload), ("reward", True, cfg.offload_reward_model),
+                                        *((name, True, cfg.offload_reward_model) for name in judges)):
+            engine = judges[name] if name in judges else getattr(models, name)
             if engine is None or offloaded:
                 continue
             own = rollout.inference_copy if name == "actor" else None
