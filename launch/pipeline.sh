@@ -4,13 +4,14 @@
 # DeepSpeed-Chat's 2,4,4 in the others), then `rlhfkit eval` and `rlhfkit report`, which ends with the
 # held-out outcomes of the run.
 #
-#   launch/pipeline.sh [--out RUN_DIR] [--data PATH...] [--size tiny|small|full] [--algo ppo]
+#   launch/pipeline.sh [--out RUN_DIR] [--data PATH...] [--size tiny|small|quality|full] [--algo ppo]
 #                      [--model BASE_DIR] [--zero_stage 3] [--dtype bf16]
 #                      [--step1_args "..."] [--step2_args "..."] [--step3_args "..."]
 #
 # --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
 # --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
-#            small (default; about 15 min on a 2-core CPU with SmolLM2-135M), full (one epoch, GPUs)
+#            small (default; about 15 min on a 2-core CPU with SmolLM2-135M), quality (about an hour there:
+#            more data per stage, an independent judge, win rates), full (one epoch, GPUs)
 # --model    start from this base checkpoint / HF causal-LM dir instead of `rlhfkit prepare-base`
 # --stepN_args  extra flags for one stage's program, word-split (e.g. --step1_args "--lora_dim 8";
 #            group algorithms need --algo grpo --step3_args "--n_samples_per_prompt 4")
@@ -22,8 +23,12 @@
 # Step 3: PPO steps, prompts per rank per step, max_prompt_seq_len, max_answer_seq_len.
 # SFT_EVAL / RM_EVAL: cap on held-out examples of steps 1/2. DATA_SPLIT: each source's shares for steps 1,2,3.
 # SFT_FLAGS / RM_FLAGS / PPO_FLAGS: more program flags (--stepN_args come after them and win).
+# JUDGE_SPLIT / JUDGE_FLAGS: an independent judge, a second reward model trained from the base model on phase 2 of
+# JUDGE_SPLIT (a share no other stage trains on), never used in training; it scores step 3's held-out evaluation
+# and rlhfkit eval's win rates. Empty: no judge. EVAL_FLAGS: rlhfkit eval's prompts and samples.
 # An empty value leaves the program's default (no step cap = one epoch of the step's share).
 preset() {
+  JUDGE_SPLIT="" JUDGE_FLAGS="" EVAL_FLAGS=""
   case "$1" in
     tiny)   # a handful of steps each: does everything run? (cpu_smoke.sh)
       DATA_SPLIT=2,4,4
@@ -51,6 +56,23 @@ preset() {
       PPO_FLAGS="--normalize_reward --eval_fraction 0.2 --per_device_eval_batch_size 8"
       RUN_EVAL=0 ;;  # step 3's own held-out evaluation compares the actor with the step-1 model; rlhfkit eval
                      # would repeat it with win rates (~3 min more): run it by hand, the command is printed
+    quality)  # issue 21's longer recipe, about an hour here. hh harmless split by prompt (seed 1234) into disjoint
+              # shares: SFT perm[0:40%] (30% of it held out), the proxy reward model perm[40:80%] (34% held out: >= 256
+              # pairs), step 3's prompts perm[80:100%] (128 held out), and the judge from the base model on perm[0:40%]
+              # (0,4,6's phase 2: pairs no reward model or step 3 sees; its held-out 20% lies inside SFT's held-out 30%)
+      DATA_SPLIT=4,4,2
+      SFT_STEPS=""  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
+      RM_STEPS=""   RM_MICRO=2   RM_ACCUM=1   RM_SEQ=256
+      PPO_STEPS=96  PPO_PROMPTS=4  PPO_PROMPT_SEQ=128  PPO_ANSWER_SEQ=64
+      SFT_LR=2e-5   RM_LR=""     ACTOR_LR=1e-5  CRITIC_LR=1e-5
+      SFT_EVAL=""   RM_EVAL=""
+      SFT_FLAGS="--eval_fraction 0.3 --per_device_eval_batch_size 8"
+      RM_FLAGS="--fit_head_only --eval_fraction 0.34 --per_device_eval_batch_size 8"
+      JUDGE_SPLIT=0,4,6
+      JUDGE_FLAGS="--fit_head_only --eval_fraction 0.2 --per_device_eval_batch_size 8"
+      PPO_FLAGS="--normalize_reward --eval_fraction 0.34 --max_eval_samples 128 --eval_interval 32 --per_device_eval_batch_size 8"
+      EVAL_FLAGS="--n 128 --n_samples_per_prompt 4"
+      RUN_EVAL=1 ;;
     full)   # one epoch of each share at DeepSpeed-Chat-like sizes (GPUs)
       DATA_SPLIT=2,4,4
       SFT_STEPS=""  SFT_MICRO=8  SFT_ACCUM=1  SFT_SEQ=512
@@ -60,7 +82,7 @@ preset() {
       SFT_EVAL=""   RM_EVAL=""
       SFT_FLAGS=""  RM_FLAGS=""  PPO_FLAGS=""
       RUN_EVAL=1 ;;
-    *) rk_die "--size $1: use tiny, small or full" ;;
+    *) rk_die "--size $1: use tiny, small, quality or full" ;;
   esac
 }
 # -------------------------------------------------------------------------------------------------
@@ -122,18 +144,32 @@ stage "step 2 (reward model)" "$RUN/step2" step2_reward.sh \
   --data_split "$DATA_SPLIT" --per_device_train_batch_size "$RM_MICRO" --gradient_accumulation_steps "$RM_ACCUM" \
   --max_seq_len "$RM_SEQ" "${A[@]}" "${STEP2_EXTRA[@]}"
 
+# 2b. The independent judge (quality): a reward model from the base model on a share no other stage trains on.
+JUDGE=()
+if [ -n "$JUDGE_SPLIT" ]; then
+  read -r -a JUDGE_EXTRA <<<"$JUDGE_FLAGS"
+  mapfile -t A < <(opt --max_steps "$RM_STEPS"; opt --max_eval_samples "$RM_EVAL"; opt --learning_rate "$RM_LR")
+  stage "independent judge (reward model from the base model)" "$RUN/judge" step2_reward.sh \
+    --model "$MODEL" --data "${DATA[@]}" --output "$RUN/judge" --zero_stage "$ZERO_STAGE" --dtype "$DTYPE" \
+    --data_split "$JUDGE_SPLIT" --per_device_train_batch_size "$RM_MICRO" --gradient_accumulation_steps "$RM_ACCUM" \
+    --max_seq_len "$RM_SEQ" "${A[@]}" "${JUDGE_EXTRA[@]}"
+  JUDGE=(--judge "$RUN/judge")
+fi
+
 # 3. PPO (or --algo ...) on the prompts.
 mapfile -t A < <(opt --max_steps "$PPO_STEPS"; opt --actor_learning_rate "$ACTOR_LR"; opt --critic_learning_rate "$CRITIC_LR")
 stage "step 3 ($ALGO)" "$RUN/step3" step3_ppo.sh \
   --actor "$RUN/step1" --critic "$RUN/step2" --data "${DATA[@]}" --output "$RUN/step3" --algo "$ALGO" \
   --actor_zero_stage "$ZERO_STAGE" --critic_zero_stage "$ZERO_STAGE" --dtype "$DTYPE" --data_split "$DATA_SPLIT" \
   --per_device_generation_batch_size "$PPO_PROMPTS" --per_device_training_batch_size "$PPO_PROMPTS" \
-  --max_prompt_seq_len "$PPO_PROMPT_SEQ" --max_answer_seq_len "$PPO_ANSWER_SEQ" "${A[@]}" "${STEP3_EXTRA[@]}"
+  --max_prompt_seq_len "$PPO_PROMPT_SEQ" --max_answer_seq_len "$PPO_ANSWER_SEQ" "${A[@]}" "${JUDGE[@]}" "${STEP3_EXTRA[@]}"
 
 # ---- HOOKS: evaluation and report. They run once `rlhfkit eval` / `rlhfkit report` exist;
 # ---- adjust their flags here when those subcommands land.
 EVAL_CMD=("$RK_RLHFKIT" eval --actor "$RUN/step3/actor" --baseline "$RUN/step1" --reward_model "$RUN/step2" --out "$RUN/eval"
-          --max_new_tokens "$PPO_ANSWER_SEQ")
+          --max_new_tokens "$PPO_ANSWER_SEQ" "${JUDGE[@]}")
+read -r -a A <<<"$EVAL_FLAGS"
+EVAL_CMD+=("${A[@]}")
 if [ "$RUN_EVAL" != 1 ]; then
   rk_log "rlhfkit eval (win rates of the actor over step 1) is not run by the $SIZE preset; run: ${EVAL_CMD[*]}"
 elif command -v "$RK_RLHFKIT" >/dev/null 2>&1 && "$RK_RLHFKIT" eval --help >/dev/null 2>&1; then
