@@ -9,6 +9,12 @@ figure against a target:
   ``min_pairs`` pairs;
 - step 3: the actor's held-out reward above the step-1 model's, the paired 95% interval above 0, on at
   least ``min_prompts`` prompts.
+With the quality recipe's targets (``launch/pipeline.sh --size quality`` writes ``pipeline.json`` naming its
+size), also:
+- the independent judge (``judge/``): its held-out accuracy no lower than the training reward model's;
+- ``rlhfkit eval``: the actor's win rate over the step-1 model >= ``win_rate`` under the training reward model
+  and under each judge, and the judges' length-controlled win rate >= ``lc_win_rate``, on at least
+  ``min_prompts`` prompts with several samples each.
 A missed target says "MISSED" with the numbers; nothing here decides what a run trains on.
 """
 
@@ -25,6 +31,23 @@ class Targets:
     rm_accuracy: float = 0.60
     min_pairs: int = 128
     min_prompts: int = 64
+    win_rate: Optional[float] = None  # rlhfkit eval: win rate (ties half) under every reward model
+    lc_win_rate: Optional[float] = None  # rlhfkit eval: length-controlled win rate under each judge
+    judge_no_worse: bool = False  # judge/: held-out accuracy >= the training reward model's
+
+
+# the targets of issue 21 per pipeline size (launch/pipeline.sh writes pipeline.json with its size)
+TARGETS = {"quality": Targets(rm_accuracy=0.65, min_pairs=256, min_prompts=128, win_rate=0.60, lc_win_rate=0.55,
+                              judge_no_worse=True)}
+
+
+def run_targets(run: Path) -> Targets:
+    """The targets of the pipeline size that made ``run`` (its pipeline.json), else the default run's."""
+    try:
+        size = json.loads((run / "pipeline.json").read_text(encoding="utf-8")).get("size")
+    except (OSError, ValueError, AttributeError):
+        size = None
+    return TARGETS.get(size, Targets())
 
 
 def _metrics(directory: Path) -> Optional[dict]:
@@ -53,6 +76,16 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
     return lines
 
 
+def judge_lines(judge: dict, proxy: Optional[dict], t: Targets) -> list[str]:
+    """The independent judge's held-out accuracy, and whether it is no lower than the training reward model's."""
+    acc, (low, high), n = judge["eval_accuracy_after"], judge.get("eval_accuracy_ci") or (float("nan"),) * 2, judge.get("eval_pairs", 0)
+    line = f"independent judge (judge/): held-out accuracy {acc:.3f}, 95% CI [{low:.3f}, {high:.3f}], on {n} pairs of its own share"
+    if t.judge_no_worse and proxy and "eval_accuracy_after" in proxy:
+        line += (f"; target: no lower than the training reward model's {proxy['eval_accuracy_after']:.3f}: "
+                 f"{_verdict(acc >= proxy['eval_accuracy_after'])}")
+    return [line]
+
+
 def policy_lines(m: dict, t: Targets, label: str = "step 3") -> list[str]:
     """Step 3's paired held-out reward gain over the step-1 model and its KL, against the targets."""
     if m.get("eval_reward_gain") is None:
@@ -66,40 +99,69 @@ def policy_lines(m: dict, t: Targets, label: str = "step 3") -> list[str]:
             + (f"; KL {kl:.4f} nats per token" if kl is not None else "")
             + (f"; response length {m['eval_response_len_before']:.1f} -> {m['eval_response_len_after']:.1f} tokens"
                if "eval_response_len_after" in m else "")
-            + f"; target: CI above 0 on >= {t.min_prompts} prompts: {_verdict(ok)}"]
+            + f"; target: CI above 0 on >= {t.min_prompts} prompts: {_verdict(ok)}"] + judged_change_lines(m, label)
 
 
-def eval_lines(results: dict) -> list[str]:
-    """``rlhfkit eval``'s win rates of the actor over the baseline, by each judge."""
+def judged_change_lines(m: dict, label: str) -> list[str]:
+    """Step 3's held-out change under each ``--judge`` (never trained on), paired by prompt."""
+    lines = []
+    for key in sorted(k for k in m if k.startswith("eval_judge") and k.endswith("_change")):
+        name = key[len("eval_"):-len("_change")]
+        low, high = m[f"eval_{name}_change_ci"]
+        lines.append(f"  {label} under {name}: held-out {m[f'eval_{name}_before']:.4f} -> {m[f'eval_{name}_after']:.4f}, "
+                     f"change {m[key]:+.4f}, paired 95% CI [{low:+.4f}, {high:+.4f}]")
+    return lines
+
+
+def eval_lines(results: dict, t: Optional[Targets] = None) -> list[str]:
+    """``rlhfkit eval``'s win rates of the actor over the baseline, by the training reward model and each judge,
+    against the win-rate targets where ``t`` has them."""
+    t = t or Targets()
     c = results.get("comparison") or {}
     if "win_rate_ties_half" not in c:
         return []
-    n = results.get("prompts", {}).get("count")
-    lo, hi = c["win_rate_ties_half_ci"]
-    lc_lo, lc_hi = c.get("lc_win_rate_ci") or (float("nan"), float("nan"))
-    lines = [f"rlhfkit eval (training reward model): win rate {c['win_rate_ties_half']:.3f} [{lo:.3f}, {hi:.3f}], "
-             f"length-controlled {c.get('lc_win_rate', float('nan')):.3f} [{lc_lo:.3f}, {lc_hi:.3f}], over {n} prompts"]
+    prompts = results.get("prompts", {})
+    n, samples = prompts.get("count", 0), prompts.get("samples_per_prompt", 1)
+    enough = n >= t.min_prompts and samples >= 2
+    lines = [f"rlhfkit eval (training reward model): {_win_text(c)}, over {n} prompts x {samples} samples"
+             + (f"; target: win rate >= {t.win_rate:.2f} on >= {t.min_prompts} prompts, several samples each: "
+                f"{_verdict(enough and c['win_rate_ties_half'] >= t.win_rate)}" if t.win_rate is not None else "")]
     for name, j in (results.get("judges") or {}).items():
         jc = j.get("comparison", j)
-        if "win_rate_ties_half" in jc:
-            j_lo, j_hi = jc["win_rate_ties_half_ci"]
-            lines.append(f"  judge {name}: win rate {jc['win_rate_ties_half']:.3f} [{j_lo:.3f}, {j_hi:.3f}], "
-                         f"length-controlled {jc.get('lc_win_rate', float('nan')):.3f}")
+        if "win_rate_ties_half" not in jc:
+            continue
+        line = f"  judge {name}: {_win_text(jc)}"
+        if t.win_rate is not None:
+            ok = enough and jc["win_rate_ties_half"] >= t.win_rate and jc.get("lc_win_rate", -1.0) >= (t.lc_win_rate or 0.0)
+            line += (f"; target: win rate >= {t.win_rate:.2f} and length-controlled >= {t.lc_win_rate or 0.0:.2f}: "
+                     f"{_verdict(ok)}")
+        lines.append(line)
     return lines
+
+
+def _win_text(c: dict) -> str:
+    lo, hi = c["win_rate_ties_half_ci"]
+    lc_lo, lc_hi = c.get("lc_win_rate_ci") or (float("nan"), float("nan"))
+    return (f"win rate {c['win_rate_ties_half']:.3f} [{lo:.3f}, {hi:.3f}], "
+            f"length-controlled {c.get('lc_win_rate', float('nan')):.3f} [{lc_lo:.3f}, {lc_hi:.3f}]")
 
 
 def outcome_lines(run_dir: str | Path, targets: Optional[Targets] = None) -> list[str]:
     """The held-out outcome lines of a pipeline run directory (empty when it has none of the stages)."""
-    run, t = Path(run_dir), targets or Targets()
+    run = Path(run_dir)
+    t = targets or run_targets(run)
     lines: list[str] = []
     rm = _metrics(run / "step2")
     if rm and "eval_accuracy_after" in rm:
         lines += reward_model_lines(rm, t)
+    judge = _metrics(run / "judge")
+    if judge and "eval_accuracy_after" in judge:
+        lines += judge_lines(judge, rm, t)
     actor = _metrics(run / "step3" / "actor")
     if actor:
         lines += policy_lines(actor, t)
     try:
-        lines += eval_lines(json.loads((run / "eval" / "results.json").read_text(encoding="utf-8")))
+        lines += eval_lines(json.loads((run / "eval" / "results.json").read_text(encoding="utf-8")), t)
     except (OSError, ValueError):
         pass
     return lines

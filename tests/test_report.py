@@ -246,7 +246,48 @@ def test_held_out_outcomes_state_each_target_met_or_missed(run_dir, capsys):
         manifest(run_dir / "step3" / "actor", {**ppo, **change})
         assert outcome_lines(run_dir)[2].endswith(": MISSED"), change
     assert outcome_lines(run_dir, Targets(rm_accuracy=0.65))[0].endswith(": MISSED")
+    # a quality run (pipeline.json names its size) has its own targets: accuracy >= 0.65 on >= 256 pairs
+    (run_dir / "pipeline.json").write_text(json.dumps({"size": "quality"}))
+    manifest(run_dir / "step2", rm)
+    assert outcome_lines(run_dir)[0].endswith(": MISSED") and ">= 0.65" in outcome_lines(run_dir)[0]
+    (run_dir / "pipeline.json").unlink()
     # report prints them and puts them at the top of report.md
     report = write_report(run_dir)
     assert "==== held-out outcomes ====" in capsys.readouterr().out
     assert "## Held-out outcomes" in report.read_text().split("| Stage |")[0]
+
+
+def test_quality_outcomes_judge_and_win_rates(tmp_path):
+    """--size quality: the judge's accuracy against the proxy's, step 3's change under the judge, and rlhfkit eval's
+    win rates (>= 0.60 under both reward models) and the judge's length-controlled win rate (>= 0.55)."""
+    from rlhfkit.outcomes import outcome_lines
+
+    run = tmp_path / "run"
+    for sub, metrics in (("step2", {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.66, "eval_accuracy_ci": [0.6, 0.72],
+                                    "eval_pairs": 257}),
+                         ("judge", {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.64, "eval_accuracy_ci": [0.56, 0.72],
+                                    "eval_pairs": 151}),
+                         ("step3/actor", {"eval_reward_before": 0.1, "eval_reward_after": 0.3, "eval_reward_gain": 0.2,
+                                          "eval_reward_gain_ci": [0.1, 0.3], "eval_prompts": 128, "eval_judge_before": 1.0,
+                                          "eval_judge_after": 0.9, "eval_judge_change": -0.1, "eval_judge_change_ci": [-0.2, 0.0]})):
+        (run / sub).mkdir(parents=True)
+        (run / sub / "rlhfkit.json").write_text(json.dumps({"stage": "x", "metrics": metrics}))
+    (run / "pipeline.json").write_text(json.dumps({"size": "quality"}))
+    (run / "eval").mkdir()
+    cmp = {"win_rate_ties_half": 0.62, "win_rate_ties_half_ci": [0.55, 0.69], "lc_win_rate": 0.58, "lc_win_rate_ci": [0.5, 0.66]}
+    judge = {"win_rate_ties_half": 0.61, "win_rate_ties_half_ci": [0.54, 0.68], "lc_win_rate": 0.54, "lc_win_rate_ci": [0.46, 0.62]}
+    results = {"prompts": {"count": 128, "samples_per_prompt": 4}, "comparison": cmp, "judges": {"/j": {"comparison": judge}}}
+    (run / "eval" / "results.json").write_text(json.dumps(results))
+    lines = outcome_lines(run)
+    text = "\n".join(lines)
+    assert lines[0].endswith(": met")  # 0.66 >= 0.65 on 257 pairs
+    assert "independent judge (judge/): held-out accuracy 0.640" in lines[1] and lines[1].endswith("0.660: MISSED")
+    assert "step 3 under judge: held-out 1.0000 -> 0.9000, change -0.1000, paired 95% CI [-0.2000, +0.0000]" in text
+    assert "win rate 0.620 [0.550, 0.690], length-controlled 0.580 [0.500, 0.660], over 128 prompts x 4 samples" in text
+    assert lines[-2].endswith(": met") and lines[-1].endswith(": MISSED")  # the judge's length-controlled 0.54 < 0.55
+    judge["lc_win_rate"] = 0.56
+    (run / "eval" / "results.json").write_text(json.dumps(results))
+    assert outcome_lines(run)[-1].endswith(": met")
+    results["prompts"]["samples_per_prompt"] = 1  # one sample per prompt is not "several"
+    (run / "eval" / "results.json").write_text(json.dumps(results))
+    assert outcome_lines(run)[-1].endswith(": MISSED") and outcome_lines(run)[-2].endswith(": MISSED")
