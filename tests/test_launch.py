@@ -7,6 +7,7 @@ is the same on every machine, and compare the printed command lines word for wor
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -269,9 +270,27 @@ def test_pipeline_presets_and_errors(launch_env, tmp_path):
     _, s1, _, _ = commands(launch_env("launch/pipeline.sh", "--out", str(tmp_path / "f"), "--size", "full").stdout)
     assert "--max_steps" not in s1
     proc = launch_env("launch/pipeline.sh", "--size", "huge", "--out", str(tmp_path / "h"), check=False)
-    assert proc.returncode == 2 and "tiny, small or full" in proc.stderr
+    assert proc.returncode == 2 and "tiny, small, quality or full" in proc.stderr
     proc = launch_env("launch/pipeline.sh", "--bogus", "1", "--out", str(tmp_path / "b"), check=False)
     assert proc.returncode == 2 and "unknown argument" in proc.stderr
+
+
+def test_pipeline_quality_trains_a_judge_on_a_share_no_other_stage_trains_on(launch_env, tmp_path):
+    """--size quality: SFT, proxy and step 3 split 4,4,2; the judge starts from the base model on 0,4,6's phase 2
+    (the same rows as SFT's phase 1, never the proxy's or step 3's); step 3 and rlhfkit eval are scored by it."""
+    run = tmp_path / "q"
+    out = launch_env("launch/pipeline.sh", "--out", str(run), "--size", "quality").stdout
+    _, s1, proxy, judge, s3 = commands(out)
+    flag = lambda cmd, f: cmd[cmd.index(f) + 1]  # noqa: E731
+    assert [flag(c, "--data_split") for c in (s1, proxy, judge, s3)] == ["4,4,2", "4,4,2", "0,4,6", "4,4,2"]
+    assert flag(judge, "--model_name_or_path") == str(run / "base") and flag(proxy, "--model_name_or_path") == str(run / "step1")
+    assert flag(judge, "--output_dir") == str(run / "judge") and "--fit_head_only" in judge
+    assert flag(s3, "--judge") == str(run / "judge") and flag(s3, "--num_train_epochs") == "3" and flag(s3, "--max_steps") == "96"
+    assert flag(s3, "--max_eval_samples") == "128" and flag(proxy, "--eval_fraction") == "0.34"
+    assert flag(s1, "--eval_fraction") == "0.3" and "--max_eval_samples" not in s1  # SFT's held-out rows stay held out
+    ev = next(shlex.split(line[len("[launch] "):]) for line in out.splitlines() if " eval --actor " in line)
+    assert flag(ev, "--judge") == str(run / "judge") and flag(ev, "--n") == "128" and flag(ev, "--n_samples_per_prompt") == "4"
+    assert json.loads((run / "pipeline.json").read_text()) == {"size": "quality", "data_split": "4,4,2"}
 
 
 def test_rule_rewards_tasks(launch_env, tmp_path):

@@ -130,7 +130,9 @@ class ExperienceMaker:
             if not (cfg.old_logprobs_from_training and training):  # evaluation needs them for its KL
                 old_lp, _ = models.no_grad_forward("actor", actor_forward, seqs, attn, P, temperature, False, groups)
         ref_lp, _ = models.no_grad_forward("ref", actor_forward, seqs, attn, P, temperature, False, groups)
-        values = models.no_grad_forward("critic", critic_forward, seqs, attn, P) if models.critic is not None else None
+        # the held-out evaluation needs no values: a critic pass there would be a fifth forward for nothing
+        values = (models.no_grad_forward("critic", critic_forward, seqs, attn, P)
+                  if models.critic is not None and training else None)
         raw = self.score(batch, rows, parts, training, [ex.prompt for ex in examples])
         amask = batch.action_mask.float()
         loss_mask = amask * (~batch.truncated).float()[:, None].to(self.device) if cfg.mask_truncated else amask
