@@ -14,12 +14,13 @@ state named explicitly must be complete. A resume whose config differs in a fiel
 run (batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``.
 
 A resume on another number of ranks is refused unless ``--resume_allow_world_size_change`` (which
-``--resume_allow_config_change`` does not imply), and in step 3 always. With it, steps 1, 2 and DPO
-re-partition the engines' ZeRO state through DeepSpeed's universal checkpoint, keep the global batch
-and the data position, and map the RNG streams deterministically: new rank ``r`` takes the saved
-streams of rank ``r % N`` (N: the saved world size). The details are in :mod:`rlhfkit.resume_reshard`.
-A state records the batch layout it was trained with (``layout``), so that a run resumed on another
-number of ranks, saved and resumed again, keeps it.
+``--resume_allow_config_change`` does not imply). With it, every program re-partitions the engines' ZeRO
+state through DeepSpeed's universal checkpoint, keeps the global batch and the data position, and maps
+the RNG streams deterministically: new rank ``r`` takes the saved streams of rank ``r % N`` (N: the saved
+world size). The details are in :mod:`rlhfkit.resume_reshard` (steps 1, 2 and DPO) and
+:mod:`rlhfkit.ppo.reshard` (step 3: its per-rank batches and EMA shards). A state records the batch
+layout it was trained with (``layout``), so that a run resumed on another number of ranks, saved and
+resumed again, keeps it.
 """
 
 from __future__ import annotations
@@ -141,19 +142,20 @@ def pick_state(resume: Optional[str], output_dir: str) -> Optional[str]:
     return dist.broadcast_object(str(path) if path else None)
 
 
-def world_size_refusal(path: Any, saved_world: int, world: int, supported: bool) -> str:
-    """The message of a refused resume on another number of ranks."""
+KEPT_BATCH = "the global batch is kept by changing the per-rank micro-batch or the gradient accumulation"
+
+
+def world_size_refusal(path: Any, saved_world: int, world: int, supported: bool, kept: str = KEPT_BATCH) -> str:
+    """The message of a refused resume on another number of ranks (``kept``: what the program keeps, and how,
+    where it is allowed)."""
     if not supported:
         return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}, and this "
-                f"program resumes on the same number of ranks only (--resume_allow_world_size_change covers steps 1 "
-                f"and 2 and DPO; step 3 keeps per-rank state, such as its EMA shards and rollout batches, that is not "
-                f"re-partitioned): start {saved_world} ranks (--num_gpus / --num_nodes).")
+                f"program resumes on the same number of ranks only: start {saved_world} ranks (--num_gpus / --num_nodes).")
     return (f"--resume {path}: the run was saved with {saved_world} ranks and this one has {world}. A training state "
             f"resumes on the same number of ranks unless --resume_allow_world_size_change is passed "
-            f"(--resume_allow_config_change does not cover it); then the ZeRO state is re-partitioned, the global "
-            f"batch is kept by changing the per-rank micro-batch or the gradient accumulation, and the run is no "
-            f"longer bit-identical to an uninterrupted one. Pass --resume_allow_world_size_change, or start "
-            f"{saved_world} ranks (--num_gpus / --num_nodes).")
+            f"(--resume_allow_config_change does not cover it); then the ZeRO state is re-partitioned, {kept}, and "
+            f"the run is no longer bit-identical to an uninterrupted one. Pass --resume_allow_world_size_change, or "
+            f"start {saved_world} ranks (--num_gpus / --num_nodes).")
 
 
 class RunState:
@@ -171,8 +173,8 @@ class RunState:
         self.allow_config_change = allow_config_change
         self.last_saved: Optional[Path] = None
         self.logger: Optional[Any] = None  # a MetricsLogger: its tracker run ids are saved and restored
-        # the supervised programs' batch layout (rlhfkit.resume_reshard.resume_layout), which also holds the
-        # state it picked; only with one may a state of another world size be resumed
+        # the program's batch layout (rlhfkit.resume_reshard.resume_layout, rlhfkit.ppo.reshard.resume_layout),
+        # which also holds the state it picked; only with one may a state of another world size be resumed
         self.layout: Optional[Any] = None
 
     # -- choosing the state to resume from ------------------------------------------------------

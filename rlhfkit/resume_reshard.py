@@ -1,6 +1,7 @@
 """Resuming a training state on another number of ranks (``--resume_allow_world_size_change``).
 
-Steps 1, 2 and DPO only (the supervised loop); step 3 refuses (:func:`rlhfkit.resume.world_size_refusal`).
+Steps 1, 2 and DPO (the supervised loop) here. Step 3 re-cuts its per-rank batches and EMA shards in
+:mod:`rlhfkit.ppo.reshard` and loads its actor and critic engines with :func:`load_resharded`.
 
 What is kept, and how:
 - the global batch (rows per optimiser step): the per-rank micro-batch and the gradient

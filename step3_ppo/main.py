@@ -32,6 +32,7 @@ from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings
 from rlhfkit.ppo import step_metrics, train_on  # noqa: E402
 from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, paired_gain  # noqa: E402
 from rlhfkit.ppo.progress import Progress, kl_controller, update_kl_controller  # noqa: E402
+from rlhfkit.ppo.reshard import resume_layout  # noqa: E402
 from rlhfkit.rewards import RewardFunctions  # noqa: E402
 from rlhfkit.rollout import check_backend  # noqa: E402
 from rlhfkit.loaders import BatchStream, train_loader  # noqa: E402
@@ -185,6 +186,9 @@ def run_description(cfg: Step3Config, total_steps: int, has_critic: bool) -> str
 def main() -> None:
     cfg = start_program(Step3Config)
     check_backend(cfg.backend)
+    flags = config_dict(cfg)  # as given: what a later resume compares its flags with
+    layout = resume_layout(cfg)  # the per-rank batches: the saved run's when --resume continues one, on any rank count
+    layout.apply(cfg)
 
     # 1. Inputs: checkpoints, reward function, prompts (and PTX data).
     tokenizer = check_inputs(cfg)
@@ -208,11 +212,11 @@ def main() -> None:
 
     # 3. Resume, or evaluate the step-1 model (the baseline).
     fingerprints = models.frozen_fingerprints()
-    run_state = make_run_state(cfg, models.trained(), logger)
+    run_state = layout.attach(make_run_state(cfg, models.trained(), logger), flags)
     progress = Progress(prompts=BatchStream(loader), ptx=ptx_batches(cfg, tokenizer))
     restored = run_state.restore()
     if restored:
-        progress.restore(restored, kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
+        progress.restore(layout.resharded(restored, trained.ema), kl_ctl, trained.ema, maker.reward_norm, maker.reward_fns)
     elif len(evaluate):
         evaluate_at(0, evaluate, progress, logger)
     guard = NonFiniteGuard(cfg.max_nonfinite_steps, functools.partial(operator.attrgetter("last_saved"), run_state))

@@ -149,7 +149,7 @@ def fake_state(tmp_path, world_size=2, **config):
 
 def test_refusals_before_anything_loads_word_for_word(tmp_path):
     """One process (world size 1) and a state saved by 2 ranks: refused without the flag, refused without
-    --group_by_length, refused always by a program that cannot re-partition its state (step 3)."""
+    --group_by_length, refused always by a run state without a batch layout (no program re-cuts its batches)."""
     path = fake_state(tmp_path)
     cfg = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, resume="auto", output_dir=str(tmp_path),
                           resume_allow_world_size_change=False, group_by_length=True)
@@ -163,13 +163,11 @@ def test_refusals_before_anything_loads_word_for_word(tmp_path):
                             "is the same on any number of ranks); resume this run on 2 ranks.")
     cfg.group_by_length = True
     assert resume_layout(cfg) == Layout(2, 2, 1, 4, state=str(path), saved_world_size=2, saved_micro_rows=4)
-    step3 = RunState(str(tmp_path), {}, {"resume_allow_world_size_change": True}, resume="auto")  # no layout: step 3
+    no_layout = RunState(str(tmp_path), {}, {"resume_allow_world_size_change": True}, resume="auto")
     with pytest.raises(CheckpointError) as e:
-        step3.restore()
+        no_layout.restore()
     assert str(e.value) == (f"--resume {path}: the run was saved with 2 ranks and this one has 1, and this program resumes "
-                            "on the same number of ranks only (--resume_allow_world_size_change covers steps 1 and 2 and "
-                            "DPO; step 3 keeps per-rank state, such as its EMA shards and rollout batches, that is not "
-                            "re-partitioned): start 2 ranks (--num_gpus / --num_nodes).")
+                            "on the same number of ranks only: start 2 ranks (--num_gpus / --num_nodes).")
 
 
 def test_same_world_size_keeps_the_saved_layout(tmp_path):
