@@ -1,7 +1,8 @@
 """Resuming a training state on another number of ranks (--resume_allow_world_size_change): step 1 saved on 1
-rank (ZeRO-3, through DeepSpeed's universal checkpoint) resumed on 2, DPO saved on 2 ranks (ZeRO-0) resumed on 1
-with twice the accumulation, fp32 on CPU. Both keep the objective of each step exactly (SFT's token mean over the
-same global micro-batch; DPO's mean over equal micro-batches of pairs), so the comparison can be tight.
+rank (ZeRO-3, through DeepSpeed's universal checkpoint) resumed on 2; DPO saved on 2 ranks (ZeRO-0) and the reward
+model saved on 2 ranks (ZeRO-2) resumed on 1 with twice the accumulation; fp32 on CPU. All keep the objective of each
+step exactly (SFT's token mean over the same global micro-batch; DPO's and the reward model's mean over equal
+micro-batches of pairs), so the comparison can be tight.
 
 Bit-identity with the uninterrupted run is impossible (reduction order), so what is checked is: the weights right
 after loading equal the saved ones exactly; every later step trains on the same rows as the uninterrupted run (its
@@ -103,6 +104,27 @@ def test_dpo_zero0_saved_on_two_ranks_resumes_on_one(tiny_dir, varied, tmp_path)
     assert ("[resume] 2 -> 1 ranks: the global batch of 4 rows is kept as 2 per rank x 1 ranks x 2 accumulation (saved: "
             "2 x 2 x 1); continuing 8 rows into epoch 0; rank r takes the RNG streams of saved rank r % 2") in proc.stdout
     follows(ref, out, 3, 5)
+
+
+@pytest.mark.distributed
+def test_reward_model_zero2_saved_on_two_ranks_resumes_on_one(tiny_dir, varied, tmp_path):
+    """Step 2: the pairwise loss is a mean over equal micro-batches of pairs, so 2 ranks x 1 and 1 rank x 2
+    accumulation train the same objective; ZeRO-2's partitioned optimizer goes through the universal checkpoint."""
+    def args(out, *extra):
+        return ["--model_name_or_path", str(tiny_dir), "--data_path", str(varied), "--output_dir", str(out),
+                "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
+                "--zero_stage", "2", "--learning_rate", "3e-3", "--lr_scheduler_type", "constant",
+                "--per_device_train_batch_size", "2", "--max_steps", "4", "--save_interval", "2", "--progress_bar", "false",
+                *extra]
+
+    ref = tmp_path / "ref"
+    run_program("step2_reward/main.py", args(ref), nprocs=2)
+    state = ref / "training_state" / "step_2"
+    out = tmp_path / "resumed"
+    proc = run_program("step2_reward/main.py", args(out, "--resume", str(state), "--resume_allow_world_size_change"), nprocs=0)
+    assert ("[resume] 2 -> 1 ranks: the global batch of 4 rows is kept as 2 per rank x 1 ranks x 2 accumulation (saved: "
+            "2 x 2 x 1); continuing 8 rows into epoch 0; rank r takes the RNG streams of saved rank r % 2") in proc.stdout
+    follows(ref, out, 3, 4)
 
 
 def test_the_data_order_is_the_same_on_any_number_of_ranks():
