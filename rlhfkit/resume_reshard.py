@@ -31,11 +31,11 @@ import math
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rlhfkit import distributed as dist
 from rlhfkit.errors import CheckpointError, ConfigError
-from rlhfkit.resume import STATE_FILE, pick_state, world_size_refusal
+from rlhfkit.resume import KEPT_BATCH, STATE_FILE, pick_state, world_size_refusal
 
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
@@ -105,25 +105,36 @@ def reshard_layout(old: Layout, world: int, max_micro: int, rows_done: int, path
     return Layout(micro, b // (micro * world), world, old.order_batch)
 
 
+def picked_state(cfg: Any, fresh: Any, read_layout: Callable[[dict], Any], batch_fields: tuple[str, ...], *,
+                 kept: str = KEPT_BATCH, order: str = "data") -> tuple[Optional[str], Optional[dict], Any, Any]:
+    """The state ``--resume`` picks, for a program whose batch layout ``fresh`` (a fresh start's) may change with
+    the number of ranks: (path, saved state, saved layout, layout). ``layout`` is final where nothing is
+    re-cut (no state: ``fresh``; the same number of ranks: the saved layout, or ``fresh`` where the
+    ``batch_fields`` flags changed), else None; a change of rank count that is not allowed is refused."""
+    path = pick_state(cfg.resume, cfg.output_dir)
+    if path is None:
+        return None, None, None, fresh
+    saved = json.loads((Path(path) / STATE_FILE).read_text())
+    old = read_layout(saved)
+    if old.world_size == fresh.world_size:
+        same = all(saved["config"].get(k) == getattr(cfg, k) for k in batch_fields)
+        return path, saved, old, replace(old if same else fresh, state=path)
+    if not cfg.resume_allow_world_size_change:
+        raise CheckpointError(world_size_refusal(path, old.world_size, fresh.world_size, supported=True, kept=kept))
+    if not cfg.group_by_length:
+        raise ConfigError(f"--resume {path}: --resume_allow_world_size_change needs --group_by_length true (its {order} "
+                          f"order is the same on any number of ranks); resume this run on {old.world_size} ranks.")
+    return path, saved, old, None
+
+
 def resume_layout(cfg: Any) -> Layout:
     """The batch layout of a supervised program: from its config for a fresh start, from the state
     ``--resume`` picks otherwise (re-cut for another number of ranks where allowed). Collective; call
     before the loader and the engine are built."""
     m, a, world = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, dist.world_size()
-    fresh = Layout(m, a, world, m * world)
-    path = pick_state(cfg.resume, cfg.output_dir)
-    if path is None:
-        return fresh
-    saved = json.loads((Path(path) / STATE_FILE).read_text())
-    old = saved_layout(saved)
-    if old.world_size == world:
-        same = all(saved["config"].get(k) == getattr(cfg, k) for k in BATCH_FIELDS)
-        return replace(old if same else fresh, state=path)
-    if not cfg.resume_allow_world_size_change:
-        raise CheckpointError(world_size_refusal(path, old.world_size, world, supported=True))
-    if not cfg.group_by_length:
-        raise ConfigError(f"--resume {path}: --resume_allow_world_size_change needs --group_by_length true (its data "
-                          f"order is the same on any number of ranks); resume this run on {old.world_size} ranks.")
+    path, saved, old, layout = picked_state(cfg, Layout(m, a, world, m * world), saved_layout, BATCH_FIELDS)
+    if layout is not None:
+        return layout
     c = saved["counters"]
     rows_done = c["batch_in_epoch"] * old.micro_batch * old.world_size
     new = reshard_layout(old, world, m, rows_done, path)

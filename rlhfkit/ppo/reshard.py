@@ -35,7 +35,6 @@ resumed again on M ranks with the same flags, keeps them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -43,10 +42,9 @@ from typing import Any, Optional
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.errors import CheckpointError, ConfigError
+from rlhfkit.errors import CheckpointError
 from rlhfkit.params import local_tensor
-from rlhfkit.resume import STATE_FILE, pick_state, world_size_refusal
-from rlhfkit.resume_reshard import load_resharded
+from rlhfkit.resume_reshard import load_resharded, picked_state
 
 BATCH_FIELDS = ("per_device_generation_batch_size", "per_device_training_batch_size")
 KEPT = ("the prompts per step and the samples per update over all ranks are kept by changing "
@@ -133,19 +131,9 @@ def resume_layout(cfg: Any) -> PPOLayout:
     and the engines are built, then :meth:`PPOLayout.apply` it to ``cfg``."""
     world = dist.world_size()
     fresh = PPOLayout(cfg.per_device_generation_batch_size, cfg.per_device_training_batch_size, world)
-    path = pick_state(cfg.resume, cfg.output_dir)
-    if path is None:
-        return fresh
-    saved = json.loads((Path(path) / STATE_FILE).read_text())
-    old = saved_layout(saved)
-    if old.world_size == world:
-        same = all(saved["config"].get(k) == getattr(cfg, k) for k in BATCH_FIELDS)
-        return replace(old if same else fresh, state=path)
-    if not cfg.resume_allow_world_size_change:
-        raise CheckpointError(world_size_refusal(path, old.world_size, world, supported=True, kept=KEPT))
-    if not cfg.group_by_length:
-        raise ConfigError(f"--resume {path}: --resume_allow_world_size_change needs --group_by_length true (its prompt "
-                          f"order is the same on any number of ranks); resume this run on {old.world_size} ranks.")
+    path, saved, old, layout = picked_state(cfg, fresh, saved_layout, BATCH_FIELDS, kept=KEPT, order="prompt")
+    if layout is not None:
+        return layout
     new = reshard_batches(old, world, cfg.n_samples_per_prompt, path)
     at = saved["counters"]["prompts"]
     dist.print_rank0(f"[resume] {old.world_size} -> {world} ranks: {new.generation_batch * world} prompts per generation "
