@@ -7,4 +7,4 @@ cd "$REPO"
 source launch/setup_env.sh
 export RLHFKIT_TEST_CACHE="${RLHFKIT_TEST_CACHE:-$REPO/.cache/tests}"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$VENV/bin/python" -m pytest -q -ra "$@"
+exec "$VENV/bin/python" -m pytest -q -ra --durations=30 "$@"
