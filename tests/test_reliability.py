@@ -44,7 +44,7 @@ def test_sft_killed_mid_step_resumes_exactly_and_dead_rank_ends_job(tiny_dir, da
     out = tmp_path / "killed"
     t = time.time()
     proc = run_program("step1_sft/main.py", sft_args(tiny_dir, data, out), nprocs=2, check=False,
-                       env_extra={"RLHFKIT_FAULT_KILL": "train_step:4"})
+                       env_extra={"RLHFKIT_FAULT_KILL": "train_step:4"}, launcher=True)
     # rank 0 died (SIGKILL) inside its 4th training step: the job ends, non-zero, promptly, and the
     # surviving rank says in its own line why it stops (run_main), not with a stack
     assert proc.returncode != 0 and time.time() - t < 300
