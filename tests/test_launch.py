@@ -244,6 +244,7 @@ def test_pipeline_tiny(launch_env, tmp_path):
     assert flag(s3, "--actor_model_name_or_path") == f"{run}/step1"
     assert flag(s3, "--critic_model_name_or_path") == f"{run}/step2"
     assert flag(s3, "--output_dir") == f"{run}/step3" and flag(s3, "--algo") == "ppo"
+    assert flag(s3, "--max_eval_samples") == "8" and flag(s3, "--eval_n_samples_per_prompt") == "2"  # a smoke-sized evaluation
     assert f"actor = {run}/step3/actor" in out
 
     # resume: finished stages are skipped
