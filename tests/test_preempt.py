@@ -4,10 +4,12 @@ only (sbatch --signal=B:USR1), which passes it to the ranks; every rank ends its
 and named, the ranks exit 75; a requeued job (SLURM_RESTART_COUNT) resumes by itself, and the run ends
 bit-identical to an uninterrupted one. Also the signal names by hand."""
 
+import base64
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -89,6 +91,22 @@ def test_sigterm_to_the_group_saves_and_a_requeued_job_resumes_exactly(tiny_dir,
                           env_extra={"SLURM_RESTART_COUNT": "1"})
     assert "SLURM_RESTART_COUNT=1: a requeued job, so --resume auto" in resumed.stdout
     assert f"continuing from {state}" in resumed.stdout and identical(ref, out)
+
+
+@pytest.mark.distributed
+def test_sigterm_to_the_per_node_launcher_alone_saves(tiny_dir, data, tmp_path):  # noqa: F811
+    """SIGTERM to DeepSpeed's per-node launch.py only (what a node agent that started it sends): it passes SIGTERM to
+    one rank at a time, waiting up to 30 s for each; the ranks still agree to stop and save one complete state."""
+    out = tmp_path / "preempted"
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(REPO / "step1_sft/main.py"),
+           *sft_args(tiny_dir, data, out, "--max_steps", "30", "--save_interval", "0")]
+    rc, stdout, stderr = signal_at_step_2(cmd, out, env_for_ranks(2), to_group=False)
+    assert rc != 0
+    state = the_saved_state(out, "SIGTERM", stdout, stderr)
+    assert "preempted by a signal on another rank" in stdout + stderr  # rank 1 stopped by the agreement, not a signal
+    assert int(state.name.split("_")[1]) < 30
 
 
 @pytest.mark.distributed
