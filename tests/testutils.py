@@ -64,11 +64,13 @@ def run_program(script: str, args: list[str], nprocs: int = 1, timeout: int = 90
     port = free_port()
     if nprocs == 0:
         cmd = [sys.executable, str(REPO / script), *args]
-    else:
+    elif launcher:
         cmd = [str(VENV_BIN / "deepspeed"), "--num_gpus", str(nprocs), "--master_port", str(port), str(REPO / script), *args]
+    else:
+        cmd = [sys.executable, "-u", str(REPO / script), *args]  # each rank's, with its --local_rank
     try:
         if nprocs and not launcher:
-            proc = start_ranks(REPO / script, args, nprocs, port, env, timeout)
+            proc = start_ranks(cmd, nprocs, port, env, timeout)
         else:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
@@ -80,22 +82,23 @@ def run_program(script: str, args: list[str], nprocs: int = 1, timeout: int = 90
     return proc
 
 
-def start_ranks(script: Path, args: list[str], nprocs: int, port: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
-    """``nprocs`` ranks of ``script`` on this node, as deepspeed/launcher/launch.py starts them (its
-    environment and ``--local_rank``), sharing one stdout and one stderr. Like launch.py, when a rank
-    fails the others get SIGTERM, then SIGKILL 30 s later, and the first failure's code is returned."""
+def start_ranks(cmd: list[str], nprocs: int, port: int, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``nprocs`` ranks of ``cmd`` (``[python, "-u", script, *args]``) on this node, as deepspeed/launcher/launch.py
+    starts them: its environment, and ``--local_rank`` right after the script; they share one stdout and one stderr.
+    Like launch.py, when a rank fails the others get SIGTERM, then SIGKILL 30 s later, and the first failure's code
+    is returned."""
     env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), LOCAL_SIZE=str(nprocs),
                CROSS_RANK="0", CROSS_SIZE="1")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        procs = [subprocess.Popen([sys.executable, "-u", str(script), f"--local_rank={r}", *args], cwd=REPO,
+        procs = [subprocess.Popen([*cmd[:3], f"--local_rank={r}", *cmd[3:]], cwd=REPO,
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=out, stderr=err)
                  for r in range(nprocs)]
         returncode = wait_ranks(procs, time.monotonic() + timeout)
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
     if returncode is None:
-        raise subprocess.TimeoutExpired(script, timeout, stdout, stderr)
-    return subprocess.CompletedProcess(script, returncode, stdout, stderr)
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
 
 
 def wait_ranks(procs: list[subprocess.Popen], deadline: float) -> int | None:
@@ -105,18 +108,24 @@ def wait_ranks(procs: list[subprocess.Popen], deadline: float) -> int | None:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
         if failed:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill(), p.wait()
+            end_ranks(procs, grace=30.0)
             return failed[0]
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.2)
-    for p in procs:
-        p.kill(), p.wait()
+    end_ranks(procs, grace=0.0)
     return None
+
+
+def end_ranks(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every rank still running, then SIGKILL those still running ``grace`` seconds later."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    kill_at = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
