@@ -42,7 +42,6 @@ AXES = {
     "ranks": [{"ranks": 1, "zero": 2}, {"ranks": 1, "zero": 3}, {"ranks": 2, "zero": 2}],
 }
 QUICK_AXES = {"model": [{"model": "360M"}], "seq": [{"seq": 512}], "ranks": [{"ranks": 1, "zero": 3}]}
-QUICK_PROGRAMS = {"default": ("step1", "step2", "step3")}  # off the default point --quick runs step 1 only
 SMOLLM2_360M = {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
                 "num_key_value_heads": 5}
 GLOBAL_BATCH = 2
@@ -122,12 +121,11 @@ def run_dir(workdir: str, program: str, point: dict) -> str:
     return os.path.join(workdir, f"{program}-{point['axis']}-{point['model']}-s{point['seq']}-r{point['ranks']}-z{point['zero']}")
 
 
-def measure(program: str, point: dict, models: dict, data: str, workdir: str) -> dict:
+def measure(tree, program: str, point: dict, models: dict, data: str, workdir: str) -> dict:
     out = run_dir(workdir, program, point)
     critic = run_dir(workdir, "step2", point)
     if program == "step3" and not Path(critic, "config.json").exists():
         raise SystemExit("step3 takes its critic from step2's run at the same point: include step2 in --programs")
-    tree = current_tree()
     threads = max(1, (os.cpu_count() or 2) // point["ranks"])
     env = tree_env(tree, threads=threads, extra={"RLHFKIT_REPORT_MEMORY": "1"})
     start = time.time()
@@ -222,16 +220,17 @@ def main() -> None:
         Path(work).mkdir(parents=True, exist_ok=True)
         data = long_rows(str(HH), os.path.join(work, "long_pairs.jsonl"))
         todo = points(args.quick)
+        tree = current_tree()  # checks once that the programs import this checkout's rlhfkit
         models = {"135M": args.base}
         if any(p["model"] == "360M" for p in todo):
             models["360M"] = build_360m(args.base, os.path.join(work, "smollm2-360m-random"))
         for point in todo:
             chosen = args.programs.split(",")
-            if args.quick:
-                chosen = [p for p in chosen if p in QUICK_PROGRAMS.get(point["axis"], ("step1",))]
+            if args.quick and point["axis"] != "default":  # off the default point --quick runs step 1 only
+                chosen = [p for p in chosen if p == "step1"]
             for program in chosen:
                 kept = [r for r in done if r["program"] == program and all(r[k] == v for k, v in point.items())]
-                rows.append(kept[0] if kept else measure(program, point, models, data, work))
+                rows.append(kept[0] if kept else measure(tree, program, point, models, data, work))
                 print(json.dumps(rows[-1]), flush=True)
                 Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print_table(rows)
