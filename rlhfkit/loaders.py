@@ -97,7 +97,7 @@ def train_loader(features: Sequence[Any], collate: Callable, batch_size: int, se
 
 def eval_batches(features: Sequence[Any], collate: Callable, batch_size: int) -> Iterable[tuple[Any, torch.Tensor]]:
     """This rank's evaluation batches with a 0/1 weight per row. Every rank takes ceil(n / world) rows, the
-    last rank's share filled up with weight-0 copies (at most world - 1 of them), in batches of
+    last ranks' shares filled up with weight-0 copies (at most world - 1 of them), in batches of
     ``batch_size`` and a smaller last one: every rank runs the same batches and no row counts twice. (A
     set smaller than a batch is not padded up to one: 2 held-out rows of 2048 tokens were 8 per rank.)"""
     n, world, r = len(features), dist.world_size(), dist.rank()
