@@ -4,10 +4,11 @@
     python bench/step3.py --actor RUN/step1 --critic RUN/step2 --against 5f6227d [--rounds 3]
 
 Runs step3_ppo/main.py for real: 2 ranks, actor and critic ZeRO-3, bf16, --max_prompt_seq_len 128
---max_answer_seq_len 64, 2 prompts per rank, every response forced to 64 tokens (--min_new_tokens 64,
-so both backends do the same work). Reports seconds per step, samples/s, the per-phase split
-(generation, experience forward passes, training) and peak memory per rank, leaving out the first
-(warm-up) step. Figures, never assertions.
+--max_answer_seq_len 64, 2 prompts per rank, every prompt exactly 128 tokens (hh-rlhf text cut to length,
+bench/workloads.py; unless --data is given) and every response forced to 64 tokens (--min_new_tokens 64),
+so every backend and revision does the same work whichever prompts it draws. Reports seconds per
+step, samples/s, the per-phase split (generation, experience forward passes, training) and peak
+memory per rank, leaving out the first (warm-up) step. Figures, never assertions.
 
 Every step-3 flag is on the command line (bench/pinned_flags.py), so a changed default never counts as
 speed. With --against REV the same runs also use REV's code from a git worktree (bench/revisions.py),
@@ -24,7 +25,10 @@ import os
 import tempfile
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from pinned_flags import STEP3, STEP3_UNSET
+from workloads import exact_length_prompts
 from revisions import (
     REPO, current_tree, pin_report, pinned_args, print_against, program_options, revision_tree, run_program, side_order,
     summarize, tree_env,
@@ -34,6 +38,7 @@ HH = REPO / ".." / "shared" / "data" / "hh-rlhf-harmless-base" / "pairs.jsonl.gz
 REFERENCE = {"name": "DeepSpeed-Chat (reference)", "step_s": 60.0, "generation_s": 41.0, "experience_s": 6.6, "training_s": 12.4,
              "peak_gb": 5.8}
 SCRIPT = "step3_ppo/main.py"
+PROMPT_TOKENS = 128
 LOGGED = {"step_s": "time/step_s", "generation_s": "time/generation_s", "experience_s": "time/experience_s",
           "training_s": "time/training_s", "samples_per_s": "perf/samples_per_s", "gen_tokens_per_s": "perf/gen_tokens_per_s"}
 METRICS = ("step_s", "generation_s", "experience_s", "training_s", "peak_gb")
@@ -48,7 +53,7 @@ VARIANTS = {  # name -> flags over the bench's own
 
 def bench_flags(args, variant: str) -> dict:
     """Every pinned step-3 flag at this bench's settings, for one variant."""
-    return {**STEP3, "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "bf16", "max_prompt_seq_len": 128,
+    return {**STEP3, "actor_zero_stage": 3, "critic_zero_stage": 3, "dtype": "bf16", "max_prompt_seq_len": PROMPT_TOKENS,
             "max_answer_seq_len": args.answer, "min_new_tokens": args.answer, "per_device_generation_batch_size": 2,
             "per_device_training_batch_size": 2, "eval_fraction": 0.01, "max_eval_samples": 1, **VARIANTS[variant]}
 
@@ -93,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--actor", required=True, help="step-1 (SFT) checkpoint of the default model")
     ap.add_argument("--critic", required=True, help="step-2 reward model checkpoint")
-    ap.add_argument("--data", default=str(HH))
+    ap.add_argument("--data", help="prompt data (default: hh-rlhf conversations cut to exactly 128 prompt tokens)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--answer", type=int, default=64)
     ap.add_argument("--backends", default="hf,hf-synced",
@@ -106,7 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="runs of every backend (and side); default 3 with --against, else 1")
     ap.add_argument("--out", default="bench_step3.json")
     args = ap.parse_args()
-    args.actor, args.critic, args.data = (os.path.abspath(p) for p in (args.actor, args.critic, args.data))  # runs in a tree's root
+    args.actor, args.critic = os.path.abspath(args.actor), os.path.abspath(args.critic)  # runs in a tree's root
     rounds = args.rounds or (3 if args.against else 1)
     names = [n.strip() for n in args.backends.split(",")]
     trees = ([revision_tree(args.against)] if args.against else []) + [current_tree(args.current)]
@@ -115,6 +120,9 @@ def main() -> None:
     print("\n".join(report) or "every option of every tree is pinned or knowingly unset")
     runs = []
     with tempfile.TemporaryDirectory() as work:
+        args.data = os.path.abspath(args.data) if args.data else exact_length_prompts(
+            str(HH), AutoTokenizer.from_pretrained(args.actor), os.path.join(work, "prompts.jsonl"), rows=64 + 12 * args.steps,
+            length=PROMPT_TOKENS)
         for rnd in range(rounds):
             for name in names:
                 for tree in side_order(trees, rnd):
