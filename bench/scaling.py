@@ -7,11 +7,11 @@ default settings, all in one run.
 Default point: the default model (SmolLM2-135M, ``rlhfkit prepare-base``), 2 ranks, ZeRO-3, bf16, sequences of
 256 tokens. Axes, each varied alone from it:
 - model: the SmolLM2-360M architecture built from its config with random weights (nothing is downloaded);
-- sequence length: 256, 512, 1024, 2048 tokens (step 3: half prompt, half answer, every answer forced to its
-  full length with --min_new_tokens);
+- sequence length: 256, 512, 1024, 2048 tokens (step 3: half prompt, half answer, every prompt exactly half the
+  length (bench/workloads.py) and every answer forced to its full length with --min_new_tokens);
 - ranks and sharding: 1 and 2 ranks, ZeRO-2 and ZeRO-3.
 The global batch stays fixed along every axis (step 1: 2 rows, step 2: 2 pairs, step 3: 2 prompts), so each
-point does the same work. Every row is full length: hh-rlhf conversations are joined into long prompts. The
+point does the same work. Every row is full length: hh-rlhf conversations are joined into long rows. The
 programs run for real: step 2 starts from the base checkpoint and step 3's critic and reward model is the reward
 model that step 2 wrote at the same point (the cost does not depend on the weights); the first step is warm-up
 and left out. Prints a table and writes JSON and a PNG.
@@ -31,7 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from revisions import REPO, current_tree, run_program, tree_env
+from workloads import exact_length_prompts
 
 HH = REPO / ".." / "shared" / "data" / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"
 PROGRAMS = {"step1": "step1_sft/main.py", "step2": "step2_reward/main.py", "step3": "step3_ppo/main.py"}
@@ -59,7 +62,7 @@ def build_360m(base: str, out: str) -> str:
     """The SmolLM2-360M architecture (its published config's sizes) with seeded random weights and the base's
     tokenizer, saved as a checkpoint the programs load like any other."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if Path(out, "config.json").exists():
         return out
@@ -115,6 +118,12 @@ def seconds_per_step(program: str, metrics: Path) -> float:
     if not times:
         raise SystemExit(f"{metrics}: no timed step after the warm-up")
     return statistics.median(times)
+
+
+def step3_prompts(tokenizer, workdir: str, length: int) -> str:
+    """Prompt-only rows of exactly ``length`` tokens (bench/workloads.py), written once per length."""
+    path = os.path.join(workdir, f"prompts-{length}.jsonl")
+    return path if Path(path).exists() else exact_length_prompts(str(HH), tokenizer, path, rows=64, length=length)
 
 
 def run_dir(workdir: str, program: str, point: dict) -> str:
@@ -222,6 +231,7 @@ def main() -> None:
         todo = points(args.quick)
         tree = current_tree()  # checks once that the programs import this checkout's rlhfkit
         models = {"135M": args.base}
+        tokenizer = AutoTokenizer.from_pretrained(args.base)  # also the 360M architecture's
         if any(p["model"] == "360M" for p in todo):
             models["360M"] = build_360m(args.base, os.path.join(work, "smollm2-360m-random"))
         for point in todo:
@@ -230,7 +240,8 @@ def main() -> None:
                 chosen = [p for p in chosen if p == "step1"]
             for program in chosen:
                 kept = [r for r in done if r["program"] == program and all(r[k] == v for k, v in point.items())]
-                rows.append(kept[0] if kept else measure(tree, program, point, models, data, work))
+                source = step3_prompts(tokenizer, work, point["seq"] // 2) if program == "step3" else data
+                rows.append(kept[0] if kept else measure(tree, program, point, models, source, work))
                 print(json.dumps(rows[-1]), flush=True)
                 Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print_table(rows)

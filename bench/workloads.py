@@ -35,13 +35,23 @@ def exact_prompt(tokenizer, text: str, length: int) -> str | None:
 
 def exact_length_prompts(path: str, tokenizer, out: str, rows: int, length: int) -> str:
     """``rows`` prompt-only rows (JSONL in ``out``) of exactly ``length`` prompt tokens each, cut from hh-rlhf
-    conversations joined end to end (so that each is long enough)."""
+    conversations joined end to end until each is long enough (about 6 characters a token: a safe margin)."""
     with gzip.open(path, "rt") as f:
-        texts = [json.loads(line)["chosen"] for _, line in zip(range(rows * 64), f)]
-    # plain text, not an hh dialogue (a prompt starting with "Human:" would be parsed into turns)
-    texts = [t.replace("\n\nHuman:", "\nUser:").replace("\n\nAssistant:", "\nAssistant:").strip() for t in texts]
-    joined = [" ".join(texts[i:i + 8]) for i in range(0, len(texts), 8)]
-    prompts = [p for p in (exact_prompt(tokenizer, t, length) for t in joined) if p is not None][:rows]
+        texts = [json.loads(line)["chosen"] for line in f]
+    joined, current = [], []
+    for text in texts:
+        # plain text, not an hh dialogue (a prompt starting with "Human:" would be parsed into turns)
+        current.append(text.replace("\n\nHuman:", "\nUser:").replace("\n\nAssistant:", "\nAssistant:").strip())
+        if sum(len(t) for t in current) >= 6 * length:
+            joined.append(" ".join(current))
+            current = []
+    prompts = []
+    for text in joined:
+        if len(prompts) == rows:
+            break
+        prompt = exact_prompt(tokenizer, text, length)
+        if prompt is not None:
+            prompts.append(prompt)
     if len(prompts) < rows:
         raise SystemExit(f"{path}: only {len(prompts)} prompts of exactly {length} tokens, {rows} wanted")
     Path(out).write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))

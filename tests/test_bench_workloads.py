@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from workloads import exact_length_prompts, exact_prompt  # noqa: E402
 
 
-@pytest.mark.parametrize("length", [64, 128, 256])
+@pytest.mark.parametrize("length", [64, 128, 1024])
 def test_every_prompt_has_the_length_step3_sees(shared_data, tokenizer, tmp_path, length):
     hh = str(shared_data / "hh-rlhf-harmless-base" / "pairs.jsonl.gz")
     path = exact_length_prompts(hh, tokenizer, str(tmp_path / "prompts.jsonl"), rows=40, length=length)
