@@ -38,13 +38,14 @@ def exact_length_prompts(path: str, tokenizer, out: str, rows: int, length: int)
     conversations joined end to end until each is long enough (about 6 characters a token: a safe margin)."""
     with gzip.open(path, "rt") as f:
         texts = [json.loads(line)["chosen"] for line in f]
-    joined, current = [], []
+    joined, current, chars = [], [], 0
     for text in texts:
         # plain text, not an hh dialogue (a prompt starting with "Human:" would be parsed into turns)
         current.append(text.replace("\n\nHuman:", "\nUser:").replace("\n\nAssistant:", "\nAssistant:").strip())
-        if sum(len(t) for t in current) >= 6 * length:
+        chars += len(current[-1])
+        if chars >= 6 * length:
             joined.append(" ".join(current))
-            current = []
+            current, chars = [], 0
     prompts = []
     for text in joined:
         if len(prompts) == rows:
