@@ -6,7 +6,7 @@ It reads the stage manifests of a ``launch/pipeline.sh`` run directory (``step2/
 figure against a target:
 
 - step 2: held-out accuracy >= ``rm_accuracy`` with the 95% interval's lower end above 0.5, on at least
-  ``min_pairs`` pairs;
+  ``min_pairs`` pairs, over all pairs and for each preference set the run trained on;
 - step 3: the actor's held-out reward above the step-1 model's, the paired 95% interval above 0, on at
   least ``min_prompts`` prompts.
 With the quality recipe's targets (``launch/pipeline.sh --size quality`` writes ``pipeline.json`` naming its
@@ -65,15 +65,30 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
     acc, (low, high), n = m["eval_accuracy_after"], m.get("eval_accuracy_ci") or (None, None), m.get("eval_pairs", 0)
     if low is None:
         return [f"step 2 (reward model): held-out accuracy {acc:.3f} on {n} pairs (no interval recorded)"]
-    ok = acc >= t.rm_accuracy and low > 0.5 and n >= t.min_pairs
+    sets = m.get("eval_by_source") or {}
+    ok = _rm_ok(acc, low, n, t) and all(_rm_ok(v["accuracy"], v["accuracy_ci_low"], v["pairs"], t) for v in sets.values())
     lines = [f"step 2 (reward model): held-out accuracy {acc:.3f}, 95% CI [{low:.3f}, {high:.3f}], on {n} pairs "
              f"(before training {m['eval_accuracy_before']:.3f}); target >= {t.rm_accuracy:.2f} with the CI above 0.5 "
-             f"on >= {t.min_pairs} pairs: {_verdict(ok)}"]
+             f"on >= {t.min_pairs} pairs" + (" of each preference set" if sets else "") + f": {_verdict(ok)}"]
     if "eval_longer_baseline" in m:
-        shorter = (f"{m['eval_chosen_shorter_accuracy']:.3f} on the {m['eval_chosen_shorter_pairs']} pairs whose chosen answer "
-                   f"is the shorter" if m.get("eval_chosen_shorter_pairs") else "no pair has the shorter answer chosen")
-        lines.append(f"  baselines: 'prefer the longer answer' {m['eval_longer_baseline']:.3f}; the model {shorter}")
+        lines.append("  baselines: " + _baselines(m["eval_longer_baseline"], m.get("eval_chosen_shorter_accuracy"),
+                                                  m.get("eval_chosen_shorter_pairs")))
+    for tag, v in sets.items():
+        lines.append(f"  {tag}: accuracy {v['accuracy']:.3f}, 95% CI [{v['accuracy_ci_low']:.3f}, {v['accuracy_ci_high']:.3f}], "
+                     f"on {v['pairs']} pairs: {_verdict(_rm_ok(v['accuracy'], v['accuracy_ci_low'], v['pairs'], t))}; "
+                     + _baselines(v.get("longer_baseline", float("nan")), v.get("chosen_shorter_accuracy"),
+                                  v.get("chosen_shorter_pairs")))
     return lines
+
+
+def _rm_ok(accuracy: float, ci_low: float, pairs: int, t: Targets) -> bool:
+    return accuracy >= t.rm_accuracy and ci_low > 0.5 and pairs >= t.min_pairs
+
+
+def _baselines(longer: float, shorter_accuracy: Optional[float], shorter_pairs: Optional[int]) -> str:
+    shorter = (f"{shorter_accuracy:.3f} on the {shorter_pairs} pairs whose chosen answer is the shorter"
+               if shorter_pairs else "no pair has the shorter answer chosen")
+    return f"'prefer the longer answer' {longer:.3f}; the model {shorter}"
 
 
 def judge_lines(judge: dict, proxy: Optional[dict], t: Targets) -> list[str]:

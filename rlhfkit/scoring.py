@@ -84,9 +84,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    from rlhfkit.data import collate_pairs, load_phase_data, tokenize_pairs
+    from rlhfkit.data import collate_pairs, load_phase_data, tokenize_by_source, tokenize_pairs
     from rlhfkit.models import sequence_scores
-    from rlhfkit.rewards import pair_metrics, score_pairs
+    from rlhfkit.rewards import pair_metrics_by_source, score_pairs
     from rlhfkit.loaders import eval_batches
 
     model, tokenizer, manifest = load_reward_model(args.model, args.dtype, args.trust_remote_code, args.allow_pickle_weights)
@@ -121,14 +121,19 @@ def run(args: argparse.Namespace) -> None:
     else:
         rows, extra, _ = load_phase_data(data_path, phase=1, need="pairs", data_split="1,0,0", eval_fraction=0.0)
         rows = rows + extra
-    feats, report = tokenize_pairs(rows, tokenizer, max_seq_len)
+    feats, report = tokenize_by_source(tokenize_pairs, rows, tokenizer, max_seq_len)
     if not feats:
         raise DataError(f"no usable pairs in {data_path}: {report.summary()}")
-    chosen, rejected, _, _ = score_pairs(lambda ids, mask: sequence_scores(model, ids, mask),
+    chosen, rejected, c_len, r_len = score_pairs(lambda ids, mask: sequence_scores(model, ids, mask),
                                    eval_batches(feats, lambda r: collate_pairs(r, tokenizer.pad_token_id), args.batch_size))
-    m = pair_metrics(chosen, rejected)
+    m = pair_metrics_by_source(chosen, rejected, c_len, r_len, [f["source"] for f in feats])
     print(f"pairs {m['pairs']} ({split})  accuracy {m['accuracy']:.4f}  chosen {m['chosen_score']:.4f}  "
           f"rejected {m['rejected_score']:.4f}  margin {m['margin']:.4f}")
+    for key in (k for k in m if k.endswith("/accuracy")):
+        tag = key[:-len("/accuracy")]
+        print(f"  {tag}: pairs {m[tag + '/pairs']}  accuracy {m[key]:.4f}  longer-answer baseline "
+              f"{m[tag + '/longer_baseline']:.4f}  accuracy where the chosen is shorter "
+              f"{m.get(tag + '/chosen_shorter_accuracy', float('nan')):.4f} ({m[tag + '/chosen_shorter_pairs']} pairs)")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             for c, r in zip(chosen.tolist(), rejected.tolist()):

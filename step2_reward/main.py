@@ -25,13 +25,13 @@ from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.algos import pairwise_loss  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, export_model  # noqa: E402
 from rlhfkit.config import config_dict  # noqa: E402
-from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_pairs  # noqa: E402
+from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_by_source, tokenize_pairs  # noqa: E402
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: E402
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
-from rlhfkit.rewards import pair_metrics, score_pairs  # noqa: E402
+from rlhfkit.rewards import SOURCE_FIGURES, pair_metrics_by_source, score_pairs  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
 from step2_reward.head_fit import fit_head  # noqa: E402
@@ -57,13 +57,14 @@ class PairwiseObjective:
     def evaluate(self, eval_set: list, collate: Any, batch_size: int) -> dict:
         """Held-out pairs, over all ranks: accuracy (chosen scored above rejected) with its 95% interval,
         mean chosen and rejected score, their mean margin, the longer-answer baseline and the accuracy
-        where the chosen answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`)."""
+        where the chosen answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`); the same per data
+        source when the set blends several (the gathered rows keep ``eval_set``'s order)."""
         self.engine.eval()
         mine = score_pairs(functools.partial(sequence_scores, self.engine), eval_batches(eval_set, collate, batch_size),
                            self.engine.device)
         columns = list(zip(*dist.gather_lists(list(zip(*(t.tolist() for t in mine)))))) or [(), (), (), ()]
         c, r, c_len, r_len = (torch.tensor(col, dtype=torch.float64) for col in columns)
-        return pair_metrics(c, r, c_len, r_len)
+        return pair_metrics_by_source(c, r, c_len, r_len, [f.get("source", "") for f in eval_set])
 
 
 def run_metrics(result: LoopResult) -> dict:
@@ -73,8 +74,19 @@ def run_metrics(result: LoopResult) -> dict:
             "eval_accuracy_ci": [last["accuracy_ci_low"], last["accuracy_ci_high"]],
             **{f"eval_{k}": last[k] for k in ("longer_baseline", "chosen_shorter_accuracy", "chosen_shorter_pairs") if k in last},
             "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
+            **{k: v for k, v in {"eval_by_source": by_source(last)}.items() if v},
             "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2,
             "seconds": result.seconds, "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
+
+
+def by_source(ev: dict) -> dict[str, dict]:
+    """{source tag: its held-out figures} from an evaluation's "<tag>/<figure>" keys."""
+    out: dict[str, dict] = {}
+    for key, value in ev.items():
+        tag, _, figure = key.rpartition("/")
+        if tag and figure in SOURCE_FIGURES:
+            out.setdefault(tag, {})[figure] = value
+    return out
 
 
 def held_out_baselines(ev: dict) -> str:
@@ -97,6 +109,8 @@ def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
         "held-out accuracy": f"{first['accuracy']:.3f} before -> {last['accuracy']:.3f} after ({last['pairs']} pairs; "
                              f"95% CI {last['accuracy_ci_low']:.3f}-{last['accuracy_ci_high']:.3f})",
         "baselines": held_out_baselines(last),
+        **{f"held-out, {tag}": f"accuracy {ev['accuracy']:.3f} ({ev['pairs']} pairs; 95% CI {ev['accuracy_ci_low']:.3f}-"
+                       f"{ev['accuracy_ci_high']:.3f}); {held_out_baselines(ev)}" for tag, ev in by_source(last).items()},
         "held-out margin": f"{first['margin']:.3f} before -> {last['margin']:.3f} after",
         "checkpoint": out,
         "metrics": os.path.join(out, "logs", "metrics.jsonl"),
@@ -117,7 +131,8 @@ def main() -> None:
 
     # 2. Data: this step's share of each source as (chosen, rejected) pairs that still differ after
     #    truncation; training packs each pair into one row with --pack_pairs, evaluation runs the two rows apart.
-    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer)
+    train_set, eval_set, sources = load_split(cfg, phase=2, need="pairs", tokenize=tokenize_pairs, tokenizer=tokenizer,
+                                              tokenize_eval=functools.partial(tokenize_by_source, tokenize_pairs))
     train_collate = functools.partial(collate_packed_pairs if cfg.pack_pairs else collate_pairs, pad_token_id=pad)
     eval_collate = functools.partial(collate_pairs, pad_token_id=pad)
 

@@ -257,6 +257,28 @@ def test_held_out_outcomes_state_each_target_met_or_missed(run_dir, capsys):
     assert "## Held-out outcomes" in report.read_text().split("| Stage |")[0]
 
 
+def test_step2_outcome_holds_for_each_preference_set(tmp_path):
+    """A reward model trained on two preference sets meets its target only if each set's held-out figures do."""
+    from rlhfkit.outcomes import Targets, reward_model_lines
+
+    hh = {"accuracy": 0.62, "accuracy_ci_low": 0.555, "accuracy_ci_high": 0.68, "pairs": 227, "longer_baseline": 0.47,
+          "chosen_shorter_accuracy": 0.86, "chosen_shorter_pairs": 118}
+    helpful = {**hh, "accuracy": 0.66, "pairs": 132, "longer_baseline": 0.70, "chosen_shorter_accuracy": 0.35,
+               "chosen_shorter_pairs": 40}
+    rm = {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.635, "eval_accuracy_ci": [0.584, 0.683], "eval_pairs": 359,
+          "eval_by_source": {"hh-rlhf-harmless-base": hh, "alpaca-eval-prefs": helpful}}
+    lines = reward_model_lines(rm, Targets())
+    assert lines[0].endswith("on >= 128 pairs of each preference set: met")
+    assert lines[2] == ("  alpaca-eval-prefs: accuracy 0.660, 95% CI [0.555, 0.680], on 132 pairs: met; 'prefer the longer answer' "
+                        "0.700; the model 0.350 on the 40 pairs whose chosen answer is the shorter")
+    # one set short of pairs, or at chance, misses the step's target though the blend meets it
+    for change in ({"pairs": 127}, {"accuracy": 0.58}, {"accuracy_ci_low": 0.49}):
+        lines = reward_model_lines({**rm, "eval_by_source": {"hh-rlhf-harmless-base": hh, "alpaca-eval-prefs": {**helpful, **change}}},
+                                   Targets())
+        assert lines[0].endswith(": MISSED"), change
+        assert ": MISSED;" in lines[2] and ": met;" in lines[1], change
+
+
 def test_quality_outcomes_judge_and_win_rates(tmp_path):
     """--size quality: the judge's accuracy against the proxy's, step 3's change under the judge, and rlhfkit eval's
     win rates (>= 0.60 under both reward models) and the judge's length-controlled win rate (>= 0.55)."""

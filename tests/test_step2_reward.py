@@ -88,10 +88,40 @@ def pair_data(tmp_path_factory):
     return p
 
 
+def test_pair_metrics_by_source_hand_computed():
+    from rlhfkit.rewards import pair_metrics_by_source
+
+    # pair:           hh 1   hh 2   help 1  help 2
+    chosen = torch.tensor([1.0, 0.0, 2.0, 3.0])
+    rejected = torch.tensor([0.0, 1.0, 1.0, 4.0])  # right, wrong, right, wrong
+    c_len, r_len = torch.tensor([5, 3, 2, 9]), torch.tensor([4, 4, 3, 1])  # chosen longer, shorter, shorter, longer
+    m = pair_metrics_by_source(chosen, rejected, c_len, r_len, ["/d/hh/p.jsonl"] * 2 + ["/d/help/p.jsonl"] * 2)
+    assert (m["accuracy"], m["pairs"], m["longer_baseline"]) == (0.5, 4, 0.5)
+    assert (m["hh/accuracy"], m["hh/pairs"], m["hh/longer_baseline"]) == (0.5, 2, 0.5)
+    assert (m["hh/chosen_shorter_pairs"], m["hh/chosen_shorter_accuracy"]) == (1, 0.0)  # hh 2: shorter, wrong
+    assert (m["help/chosen_shorter_pairs"], m["help/chosen_shorter_accuracy"]) == (1, 1.0)  # help 1: shorter, right
+    assert "hh/margin" not in m
+    # one source: no per-source keys
+    assert not any("/" in k for k in pair_metrics_by_source(chosen, rejected, c_len, r_len, ["/d/hh/p.jsonl"] * 4))
+
+
+# a second preference set, in its own directory: its chosen answers are the longer ones
+LONGER_PAIRS = [{"prompt": f"Tell me about topic {i}.", "chosen": f"Sure: topic {i} is a long story, told here with care and detail.",
+                 "rejected": "Dunno."} for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def longer_pair_data(tmp_path_factory):
+    p = tmp_path_factory.mktemp("longer") / "pairs.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in LONGER_PAIRS * 2))
+    return p
+
+
 @pytest.mark.distributed
-def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, tmp_path):
+def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, longer_pair_data, tmp_path):
+    """Two preference sets: held-out figures for all pairs and for each set, the same as scoring each set alone."""
     out = tmp_path / "rm"
-    args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), "--output_dir", str(out),
+    args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), str(longer_pair_data), "--output_dir", str(out),
             "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
             "--zero_stage", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "2", "--num_train_epochs", "4",
             "--lr_scheduler_type", "constant", "--progress_bar", "false"]
@@ -126,6 +156,18 @@ def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, 
     ev = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(out)], capture_output=True, text=True,
                         cwd=str(__import__("testutils").REPO))
     assert ev.returncode == 0 and float(re.search(r"accuracy (\S+)", ev.stdout).group(1)) == acc, ev.stdout + ev.stderr[-2000:]
+    # each set's held-out figures: the step's per-set split of its gathered scores = that set scored alone
+    by_source = manifest["metrics"]["eval_by_source"]
+    assert sorted(by_source) == sorted([pair_data.parent.name, longer_pair_data.parent.name]), by_source
+    assert sum(v["pairs"] for v in by_source.values()) == manifest["metrics"]["eval_pairs"]
+    assert by_source[longer_pair_data.parent.name]["longer_baseline"] == 1.0  # every chosen answer is the longer
+    for path in (pair_data, longer_pair_data):
+        alone = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(out), "--data_path", str(path),
+                                "--split", "heldout"], capture_output=True, text=True, cwd=str(__import__("testutils").REPO))
+        pairs, accuracy = re.search(r"pairs (\d+) \(heldout\)  accuracy (\S+)", alone.stdout).groups()
+        mine = by_source[path.parent.name]
+        assert (int(pairs), float(accuracy)) == (mine["pairs"], pytest.approx(mine["accuracy"], abs=1e-4)), alone.stdout
+    assert f"held-out, {longer_pair_data.parent.name}" in proc.stdout
     ev = subprocess.run([sys.executable, "-m", "rlhfkit.cli", "score", "--model", str(out), "--prompt", "Question 1: is this good?",
                          "--response", "Yes, wonderful and helpful answer 1."], capture_output=True, text=True,
                         cwd=str(__import__("testutils").REPO))

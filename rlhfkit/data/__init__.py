@@ -17,6 +17,7 @@ from rlhfkit.data.tokenize import (
     TokenizeReport,
     encode_prompt,
     encode_response,
+    tokenize_by_source,
     tokenize_kto,
     tokenize_pairs,
     tokenize_prompts,
@@ -35,6 +36,6 @@ def __getattr__(name):  # collators need torch; import them on first use
 __all__ = [
     "Example", "SourceReport", "TokenizeReport", "load_phase_data", "read_source", "parse_dialogue",
     "parse_data_split", "phase_rows", "cut_eval", "encode_prompt", "encode_response",
-    "tokenize_sft", "tokenize_pairs", "tokenize_prompts", "tokenize_kto", "collate_sft", "collate_pairs",
+    "tokenize_sft", "tokenize_pairs", "tokenize_by_source", "tokenize_prompts", "tokenize_kto", "collate_sft", "collate_pairs",
     "collate_packed_pairs", "collate_prompts", "collate_kto", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",
 ]

@@ -3,7 +3,8 @@ and ``step2_reward/evaluate.py`` / ``rlhfkit score`` (one code path, so both pri
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+import os
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -32,6 +33,33 @@ def pair_metrics(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: Optio
         out["chosen_shorter_pairs"] = int(shorter.sum())
         if shorter.any():
             out["chosen_shorter_accuracy"] = float(right[shorter].double().mean())
+    return out
+
+
+# the figures given per data source when a held-out set blends several
+SOURCE_FIGURES = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "pairs", "longer_baseline",
+                  "chosen_shorter_accuracy", "chosen_shorter_pairs")
+
+
+def source_tags(paths: Sequence[str]) -> dict[str, str]:
+    """A short name for each data source in metric keys: its directory's name ("hh-rlhf-harmless-base"), or
+    "directory/file" for every source whose directory another source shares."""
+    dirs = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    return {p: d if dirs.count(d) == 1 else f"{d}/{os.path.basename(p)}" for p, d in zip(paths, dirs)}
+
+
+def pair_metrics_by_source(chosen: torch.Tensor, rejected: torch.Tensor, chosen_len: torch.Tensor,
+                           rejected_len: torch.Tensor, sources: Sequence[str]) -> dict[str, float]:
+    """:func:`pair_metrics` over all pairs and, when they come from several sources (``sources[i]``: pair i's
+    data path), each source's :data:`SOURCE_FIGURES` as "<tag>/<figure>" (:func:`source_tags`)."""
+    out = pair_metrics(chosen, rejected, chosen_len, rejected_len)
+    names = list(dict.fromkeys(sources))
+    if len(names) < 2:
+        return out
+    for name, tag in source_tags(names).items():
+        idx = torch.tensor([i for i, s in enumerate(sources) if s == name], dtype=torch.long)
+        part = pair_metrics(chosen[idx], rejected[idx], chosen_len[idx], rejected_len[idx])
+        out.update({f"{tag}/{k}": part[k] for k in SOURCE_FIGURES if k in part})
     return out
 
 

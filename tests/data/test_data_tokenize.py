@@ -7,6 +7,7 @@ from rlhfkit.data import (
     Example,
     encode_prompt,
     encode_response,
+    tokenize_by_source,
     tokenize_pairs,
     tokenize_prompts,
     tokenize_sft,
@@ -105,6 +106,19 @@ def test_pairs_share_prompt_cut_and_drop_identical_after_truncation(tokenizer):
     assert f["chosen_input_ids"] == prompt[-n:] + chosen
     assert f["rejected_input_ids"] == prompt[-n:] + rejected
     assert "identical after truncation 1" in report.summary()
+
+
+def test_by_source_tags_each_feature_and_counts_drops_in_the_given_order(tokenizer):
+    common = LONG + " and then"
+    rows = [ex("a", "Yes.", "No."), ex("hi", common + " yes", common + " no"), ex("b", "Fine.", "Bad."), ex("c", "Ok.", "Meh.")]
+    for row, source in zip(rows, ["hh", "hh", "help", "hh"]):
+        row.meta["source"] = source
+    features, report = tokenize_by_source(tokenize_pairs, rows, tokenizer, 40)
+    alone = [tokenize_pairs([r], tokenizer, 40)[0][0] for r in (rows[0], rows[3], rows[2])]
+    # the sources in the order they first appear, each one's rows in their order; row 1 dropped
+    assert features == [{**alone[0], "source": "hh"}, {**alone[1], "source": "hh"}, {**alone[2], "source": "help"}]
+    assert (report.examples, report.kept, report.response_truncated) == (4, 3, 0)
+    assert report.dropped == {"identical after truncation": 1} and report.first_drops == [(1, "identical after truncation")]
 
 
 def test_prompts_cut_at_turn_boundary_keeping_system(tokenizer):
