@@ -86,7 +86,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 def run(args: argparse.Namespace) -> None:
     from rlhfkit.data import collate_pairs, load_phase_data, tokenize_by_source, tokenize_pairs
     from rlhfkit.models import sequence_scores
-    from rlhfkit.rewards import pair_metrics_by_source, score_pairs
+    from rlhfkit.rewards import by_source, held_out_baselines, pair_metrics_by_source, score_pairs
     from rlhfkit.loaders import eval_batches
 
     model, tokenizer, manifest = load_reward_model(args.model, args.dtype, args.trust_remote_code, args.allow_pickle_weights)
@@ -129,11 +129,8 @@ def run(args: argparse.Namespace) -> None:
     m = pair_metrics_by_source(chosen, rejected, c_len, r_len, [f["source"] for f in feats])
     print(f"pairs {m['pairs']} ({split})  accuracy {m['accuracy']:.4f}  chosen {m['chosen_score']:.4f}  "
           f"rejected {m['rejected_score']:.4f}  margin {m['margin']:.4f}")
-    for key in (k for k in m if k.endswith("/accuracy")):
-        tag = key[:-len("/accuracy")]
-        print(f"  {tag}: pairs {m[tag + '/pairs']}  accuracy {m[key]:.4f}  longer-answer baseline "
-              f"{m[tag + '/longer_baseline']:.4f}  accuracy where the chosen is shorter "
-              f"{m.get(tag + '/chosen_shorter_accuracy', float('nan')):.4f} ({m[tag + '/chosen_shorter_pairs']} pairs)")
+    for tag, v in by_source(m).items():
+        print(f"  {tag}: pairs {v['pairs']}  accuracy {v['accuracy']:.4f}  {held_out_baselines(v)}")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             for c, r in zip(chosen.tolist(), rejected.tolist()):

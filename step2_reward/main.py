@@ -31,7 +31,7 @@ from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: 
 from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
 from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
-from rlhfkit.rewards import SOURCE_FIGURES, pair_metrics_by_source, score_pairs  # noqa: E402
+from rlhfkit.rewards import by_source, held_out_baselines, pair_metrics_by_source, score_pairs  # noqa: E402
 from rlhfkit.supervised import LoopResult, fit  # noqa: E402
 from step2_reward.config import RewardConfig  # noqa: E402 - RewardConfig: its former home was this module
 from step2_reward.head_fit import fit_head  # noqa: E402
@@ -70,33 +70,14 @@ class PairwiseObjective:
 def run_metrics(result: LoopResult) -> dict:
     """The manifest's metrics: held-out accuracy and margin before and after training, and the run's size."""
     first, last = result.evals[0], result.evals[-1]
+    sets = by_source(last)
     return {"eval_accuracy_before": first["accuracy"], "eval_accuracy_after": last["accuracy"],
             "eval_accuracy_ci": [last["accuracy_ci_low"], last["accuracy_ci_high"]],
             **{f"eval_{k}": last[k] for k in ("longer_baseline", "chosen_shorter_accuracy", "chosen_shorter_pairs") if k in last},
             "eval_margin_before": first["margin"], "eval_margin_after": last["margin"], "eval_pairs": last["pairs"],
-            **{k: v for k, v in {"eval_by_source": by_source(last)}.items() if v},
+            **({"eval_by_source": sets} if sets else {}),
             "steps": result.steps, "nonfinite_skipped": result.nonfinite_skipped, "train_pairs": result.samples // 2,
             "seconds": result.seconds, "pairs_per_s": result.samples / 2 / max(result.seconds, 1e-9)}
-
-
-def by_source(ev: dict) -> dict[str, dict]:
-    """{source tag: its held-out figures} from an evaluation's "<tag>/<figure>" keys."""
-    out: dict[str, dict] = {}
-    for key, value in ev.items():
-        tag, _, figure = key.rpartition("/")
-        if tag and figure in SOURCE_FIGURES:
-            out.setdefault(tag, {})[figure] = value
-    return out
-
-
-def held_out_baselines(ev: dict) -> str:
-    """The held-out line a length-only reward model would fail: "prefer the longer answer", and the accuracy
-    on the pairs whose chosen answer is the shorter."""
-    if "longer_baseline" not in ev:
-        return "n/a"
-    shorter = (f"{ev['chosen_shorter_accuracy']:.3f} where the chosen answer is the shorter ({ev['chosen_shorter_pairs']} pairs)"
-               if ev.get("chosen_shorter_pairs") else "no pair has the shorter answer chosen")
-    return f"longer answer {ev['longer_baseline']:.3f}; this model {shorter}"
 
 
 def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
@@ -110,7 +91,7 @@ def summary(result: LoopResult, metrics: dict, cfg: RewardConfig) -> dict:
                              f"95% CI {last['accuracy_ci_low']:.3f}-{last['accuracy_ci_high']:.3f})",
         "baselines": held_out_baselines(last),
         **{f"held-out, {tag}": f"accuracy {ev['accuracy']:.3f} ({ev['pairs']} pairs; 95% CI {ev['accuracy_ci_low']:.3f}-"
-                       f"{ev['accuracy_ci_high']:.3f}); {held_out_baselines(ev)}" for tag, ev in by_source(last).items()},
+                       f"{ev['accuracy_ci_high']:.3f}); {held_out_baselines(ev)}" for tag, ev in metrics.get("eval_by_source", {}).items()},
         "held-out margin": f"{first['margin']:.3f} before -> {last['margin']:.3f} after",
         "checkpoint": out,
         "metrics": os.path.join(out, "logs", "metrics.jsonl"),

@@ -63,6 +63,26 @@ def pair_metrics_by_source(chosen: torch.Tensor, rejected: torch.Tensor, chosen_
     return out
 
 
+def by_source(ev: dict) -> dict[str, dict]:
+    """{source tag: its held-out figures} from an evaluation's "<tag>/<figure>" keys."""
+    out: dict[str, dict] = {}
+    for key, value in ev.items():
+        tag, _, figure = key.rpartition("/")
+        if tag and figure in SOURCE_FIGURES:
+            out.setdefault(tag, {})[figure] = value
+    return out
+
+
+def held_out_baselines(ev: dict) -> str:
+    """The held-out line a length-only reward model would fail: "prefer the longer answer", and the accuracy
+    on the pairs whose chosen answer is the shorter."""
+    if "longer_baseline" not in ev:
+        return "n/a"
+    shorter = (f"{ev['chosen_shorter_accuracy']:.3f} where the chosen answer is the shorter ({ev['chosen_shorter_pairs']} pairs)"
+               if ev.get("chosen_shorter_pairs") else "no pair has the shorter answer chosen")
+    return f"longer answer {ev['longer_baseline']:.3f}; this model {shorter}"
+
+
 @torch.no_grad()
 def score_pairs(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 batches: Iterable[tuple[dict, torch.Tensor]], device: Any = "cpu") -> tuple[torch.Tensor, ...]:
