@@ -6,7 +6,10 @@ It reads the stage manifests of a ``launch/pipeline.sh`` run directory (``step2/
 figure against a target:
 
 - step 2: held-out accuracy >= ``rm_accuracy`` with the 95% interval's lower end above 0.5, on at least
-  ``min_pairs`` pairs, over all pairs and for each preference set the run trained on;
+  ``min_pairs`` pairs, over all pairs and for each preference set the run trained on. With ``shorter_accuracy``
+  (the quality recipe) a *length-biased* set, one where "prefer the longer answer" is right more often than not
+  (its 95% interval above 0.5, as on AlpacaEval's helpfulness pairs), is judged instead by whether the model
+  beats that baseline and reaches ``shorter_accuracy`` on the pairs whose chosen answer is the shorter;
 - step 3: the actor's held-out reward above the step-1 model's, the paired 95% interval above 0, on at
   least ``min_prompts`` prompts.
 With the quality recipe's targets (``launch/pipeline.sh --size quality`` writes ``pipeline.json`` naming its
@@ -34,11 +37,12 @@ class Targets:
     win_rate: Optional[float] = None  # rlhfkit eval: win rate (ties half) under every reward model
     lc_win_rate: Optional[float] = None  # rlhfkit eval: length-controlled win rate under each judge
     judge_no_worse: bool = False  # judge/: held-out accuracy >= the training reward model's
+    shorter_accuracy: Optional[float] = None  # a length-biased set: beat the longer answer, and this where the chosen is shorter
 
 
 # the targets of issue 21 per pipeline size (launch/pipeline.sh writes pipeline.json with its size)
 TARGETS = {"quality": Targets(rm_accuracy=0.65, min_pairs=256, min_prompts=128, win_rate=0.60, lc_win_rate=0.55,
-                              judge_no_worse=True)}
+                              judge_no_worse=True, shorter_accuracy=0.55)}
 
 
 def run_targets(run: Path) -> Targets:
@@ -66,19 +70,46 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
     if low is None:
         return [f"step 2 (reward model): held-out accuracy {acc:.3f} on {n} pairs (no interval recorded)"]
     sets = m.get("eval_by_source") or {}
-    ok = _rm_ok(acc, low, n, t) and all(_rm_ok(v["accuracy"], v["accuracy_ci_low"], v["pairs"], t) for v in sets.values())
+    pooled = {"accuracy": acc, "accuracy_ci_low": low, "pairs": n, "longer_baseline": m.get("eval_longer_baseline"),
+              "chosen_shorter_accuracy": m.get("eval_chosen_shorter_accuracy")}
+    ok = all(_set_ok(v, t) for v in sets.values()) if sets else _set_ok(pooled, t)
+    rule = _length_rule(t) if (_length_biased(pooled) and not sets and t.shorter_accuracy is not None) else (
+        f">= {t.rm_accuracy:.2f} with the CI above 0.5")
     lines = [f"step 2 (reward model): held-out accuracy {acc:.3f}, 95% CI [{low:.3f}, {high:.3f}], on {n} pairs "
-             f"(before training {m['eval_accuracy_before']:.3f}); target >= {t.rm_accuracy:.2f} with the CI above 0.5 "
+             f"(before training {m['eval_accuracy_before']:.3f}); target {rule} "
              f"on >= {t.min_pairs} pairs" + (" of each preference set" if sets else "") + f": {_verdict(ok)}"]
     if "eval_longer_baseline" in m:
         lines.append("  baselines: " + _baselines(m["eval_longer_baseline"], m.get("eval_chosen_shorter_accuracy"),
                                                   m.get("eval_chosen_shorter_pairs")))
     for tag, v in sets.items():
+        biased = t.shorter_accuracy is not None and _length_biased(v)
         lines.append(f"  {tag}: accuracy {v['accuracy']:.3f}, 95% CI [{v['accuracy_ci_low']:.3f}, {v['accuracy_ci_high']:.3f}], "
-                     f"on {v['pairs']} pairs: {_verdict(_rm_ok(v['accuracy'], v['accuracy_ci_low'], v['pairs'], t))}; "
+                     f"on {v['pairs']} pairs" + (f" (length-biased: target {_length_rule(t)})" if biased else "")
+                     + f": {_verdict(_set_ok(v, t))}; "
                      + _baselines(v.get("longer_baseline", float("nan")), v.get("chosen_shorter_accuracy"),
                                   v.get("chosen_shorter_pairs")))
     return lines
+
+
+def _length_biased(v: dict) -> bool:
+    """Is "prefer the longer answer" right more often than not on this set (its 95% Wilson interval above 0.5)?"""
+    from rlhfkit.eval_stats import wilson_interval
+
+    longer, n = v.get("longer_baseline"), v.get("pairs", 0)
+    return longer is not None and n > 0 and wilson_interval(round(longer * n), n)[0] > 0.5
+
+
+def _length_rule(t: Targets) -> str:
+    return f"above the longer-answer baseline and >= {t.shorter_accuracy:.2f} where the chosen answer is the shorter"
+
+
+def _set_ok(v: dict, t: Targets) -> bool:
+    """One preference set's (or the pooled) held-out figures against the targets."""
+    if t.shorter_accuracy is not None and _length_biased(v):
+        shorter = v.get("chosen_shorter_accuracy")
+        return (v["pairs"] >= t.min_pairs and v["accuracy"] > v["longer_baseline"]
+                and shorter is not None and shorter >= t.shorter_accuracy)
+    return _rm_ok(v["accuracy"], v["accuracy_ci_low"], v["pairs"], t)
 
 
 def _rm_ok(accuracy: float, ci_low: float, pairs: int, t: Targets) -> bool:

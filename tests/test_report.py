@@ -313,3 +313,34 @@ def test_quality_outcomes_judge_and_win_rates(tmp_path):
     results["prompts"]["samples_per_prompt"] = 1  # one sample per prompt is not "several"
     (run / "eval" / "results.json").write_text(json.dumps(results))
     assert outcome_lines(run)[-1].endswith(": MISSED") and outcome_lines(run)[-2].endswith(": MISSED")
+
+
+def test_quality_step2_judges_a_length_biased_set_by_its_baselines():
+    """--size quality: on a set where "prefer the longer answer" is right more often than not (its Wilson interval
+    above 0.5), the reward model must beat that baseline and reach 0.55 where the chosen answer is the shorter; a
+    set without that bias (hh harmless, or a baseline whose interval holds 0.5) keeps the 0.65 target."""
+    from rlhfkit.outcomes import TARGETS, Targets, reward_model_lines
+
+    hh = {"accuracy": 0.66, "accuracy_ci_low": 0.60, "accuracy_ci_high": 0.72, "pairs": 257, "longer_baseline": 0.47,
+          "chosen_shorter_accuracy": 0.80, "chosen_shorter_pairs": 130}
+    # 177 of 260 pairs have the longer answer chosen: 0.681, Wilson 95% interval [0.622, 0.734], above 0.5
+    helpful = {"accuracy": 0.70, "accuracy_ci_low": 0.64, "accuracy_ci_high": 0.75, "pairs": 260, "longer_baseline": 177 / 260,
+               "chosen_shorter_accuracy": 0.56, "chosen_shorter_pairs": 80}
+    rm = {"eval_accuracy_before": 0.5, "eval_accuracy_after": 0.68, "eval_accuracy_ci": [0.64, 0.72], "eval_pairs": 517}
+
+    def verdicts(h, helpful_set, targets=TARGETS["quality"]):
+        lines = reward_model_lines({**rm, "eval_by_source": {"hh": h, "help": helpful_set}}, targets)
+        return [re.search(r": (met|MISSED)", line).group(1) for line in lines]
+
+    assert verdicts(hh, helpful) == ["met", "met", "met"]
+    lines = reward_model_lines({**rm, "eval_by_source": {"hh": hh, "help": helpful}}, TARGETS["quality"])
+    assert lines[2].startswith("  help: accuracy 0.700, 95% CI [0.640, 0.750], on 260 pairs (length-biased: target above "
+                               "the longer-answer baseline and >= 0.55 where the chosen answer is the shorter): met;")
+    assert verdicts(hh, {**helpful, "accuracy": 0.68}) == ["MISSED", "met", "MISSED"]  # 0.680 < the baseline 0.681
+    assert verdicts(hh, {**helpful, "chosen_shorter_accuracy": 0.54}) == ["MISSED", "met", "MISSED"]
+    assert verdicts(hh, {**helpful, "pairs": 255, "longer_baseline": 0.68}) == ["MISSED", "met", "MISSED"]
+    assert verdicts({**hh, "accuracy": 0.64}, helpful) == ["MISSED", "MISSED", "met"]
+    # 138 of 260 (0.531, interval [0.470, 0.590]) is no evidence of a length bias: the 0.65 target applies
+    assert verdicts(hh, {**helpful, "longer_baseline": 138 / 260, "accuracy": 0.64}) == ["MISSED", "met", "MISSED"]
+    # the default run's targets have no length rule: 0.61 >= 0.60 passes whatever the baseline
+    assert verdicts(hh, {**helpful, "accuracy": 0.61}, Targets()) == ["met", "met", "met"]
