@@ -183,7 +183,8 @@ def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Ten
     vocabulary is not kept for the backward pass.
 
     Only the logits that predict response tokens are computed (``logits_to_keep``), divided by the
-    sampling temperature so that the logprobs are those of the distribution that was sampled. With
+    sampling temperature so that the logprobs are those of the distribution that was sampled; they stay
+    in the model's dtype (no fp32 copy of [B, A, V]): the log-softmax casts them chunk by chunk. With
     ``group_size`` G > 1, rows that come in groups of G with one prompt run packed
     (:func:`pack_groups`) when the attention kernel takes a 4D mask and packing costs less.
     """
@@ -194,18 +195,19 @@ def actor_forward(model: Any, sequences: torch.Tensor, attention_mask: torch.Ten
     if packed is None:
         out = model(input_ids=sequences, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                     use_cache=False, logits_to_keep=A + 1)
-        logits = out.logits[:, :-1].float()  # [B, A, V]: position P-1+t predicts response token t
+        logits = out.logits[:, :-1]  # [B, A, V]: position P-1+t predicts response token t
     else:
         out = model(input_ids=packed.input_ids, attention_mask=additive_mask(model, packed.allowed),
                     position_ids=packed.position_ids, use_cache=False, logits_to_keep=group_size * A + 1)
-        logits = out.logits[:, packed.logit_index].float().reshape(B, A, -1)  # [N, G*A, V] -> [B, A, V]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, sequences[:, prompt_len:])
+        logits = out.logits[:, packed.logit_index].reshape(B, A, -1)  # [N, G*A, V] -> [B, A, V]
+    if with_entropy and entropy_grad:
+        logits = logits.float()  # two terms' gradients meet here: summed in fp32, then rounded once, as before
+    # else in the model's dtype: each chunk is cast to fp32 and divided by the temperature where it is used
+    logprobs = logprobs_from_logits(logits, sequences[:, prompt_len:], temperature)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), temperature)
     return logprobs, entropy
 
 

@@ -135,12 +135,13 @@ def explained_variance(moments_returns: torch.Tensor, moments_residual: torch.Te
     return float("nan") if var_r.item() <= 0 else 1.0 - var_e.item() / var_r.item()
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log p(label) per position: logits [..., V] (e.g. [B, T, V]), labels [...] long -> [...] fp32.
 
-    log p(y) = logits[y] - logsumexp(logits), computed in fp32 over chunks of rows, so a bf16
-    [B, T, V] tensor is never copied to fp32 (or log-softmaxed) in full (as TRL's
-    ``selective_log_softmax`` and verl's ``logprobs_from_logits``). Differentiable.
+    log p(y) = z[y] - logsumexp(z) with z = logits / ``temperature``, computed in fp32 over chunks of
+    rows, so a bf16 [B, T, V] tensor is never copied to fp32 (or log-softmaxed) in full (as TRL's
+    ``selective_log_softmax`` and verl's ``logprobs_from_logits``); each chunk is divided by the
+    temperature after its cast, so the result is that of ``logits.float() / temperature``. Differentiable.
     The caller aligns labels to logits (for a causal LM: logits[:, :-1] with input_ids[:, 1:]).
     Negative labels (e.g. -100) give 0.
     """
@@ -150,7 +151,7 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     safe = flat_labels.clamp_min(0).unsqueeze(-1)
     out = []
     for start in range(0, flat_logits.shape[0], _CHUNK_ROWS):
-        chunk = flat_logits[start : start + _CHUNK_ROWS].float()
+        chunk = _fp32(flat_logits[start : start + _CHUNK_ROWS], temperature)
         picked = chunk.gather(-1, safe[start : start + _CHUNK_ROWS]).squeeze(-1)
         out.append(picked - torch.logsumexp(chunk, dim=-1))
     if out:
@@ -161,8 +162,13 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return lp.reshape(labels.shape)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) per position: [..., V] (e.g. [B, T, V]) -> [...] fp32.
+def _fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    chunk = chunk.float()
+    return chunk if temperature == 1.0 else chunk / temperature
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: [..., V] (e.g. [B, T, V]) -> [...] fp32.
 
     H = logsumexp(z) - sum_v softmax(z)_v z_v (verl ``entropy_from_logits``), in fp32 per chunk.
     """
@@ -170,7 +176,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     flat = logits.reshape(-1, V)
     out = []
     for start in range(0, flat.shape[0], _CHUNK_ROWS):
-        chunk = flat[start : start + _CHUNK_ROWS].float()
+        chunk = _fp32(flat[start : start + _CHUNK_ROWS], temperature)
         p = torch.softmax(chunk, dim=-1)
         out.append(torch.logsumexp(chunk, dim=-1) - (p * chunk).sum(-1))
     ent = torch.cat(out) if out else flat.new_zeros(0, dtype=torch.float32)

@@ -98,6 +98,31 @@ def test_logprobs_and_entropy_match_log_softmax(monkeypatch):
     assert torch.allclose(lg.grad, (F.one_hot(labels, 7) - logp_all.exp()), atol=1e-5)
 
 
+def test_temperature_is_applied_per_chunk_exactly_as_to_fp32_logits(monkeypatch):
+    """bf16 logits with a temperature: the same bits, values and the logprobs' gradients, as dividing a full fp32
+    copy first (what step 3 did before it kept the [B, A, V] logits in the model's dtype; with an entropy term in
+    the loss it still makes the copy, so that the two gradients are summed in fp32)."""
+    monkeypatch.setattr(stats_module, "_CHUNK_ROWS", 3)
+    torch.manual_seed(0)
+    labels = torch.randint(0, 50, (2, 5))
+    base = (3 * torch.randn(2, 5, 50)).bfloat16()
+    grads, outs = [], []
+    for chunked in (True, False):
+        lg = base.clone().requires_grad_(True)
+        if chunked:
+            lp, ent = logprobs_from_logits(lg, labels, 0.7), entropy_from_logits(lg, 0.7)
+        else:
+            full = lg.float() / 0.7
+            lp, ent = logprobs_from_logits(full, labels), entropy_from_logits(full)
+        lp.sum().backward()
+        outs.append((lp, ent))
+        grads.append(lg.grad)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(grads[0], grads[1]) and grads[0].dtype == torch.bfloat16
+    # and the temperature is there: at 0.7 the distribution is sharper than at 1
+    assert not torch.equal(logprobs_from_logits(base, labels), outs[0][0])
+
+
 def test_logprobs_ignore_index_gives_zero():
     logits = torch.randn(1, 3, 5)
     labels = torch.tensor([[1, -100, 2]])
