@@ -94,13 +94,12 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], groups: int,
                scale: float) -> torch.Tensor:
-    """transformers' ``sdpa_attention_forward`` for one query token on the CPU: grouped-query attention
-    by ``enable_gqa`` in fp32 without a mask, else the query heads folded onto their key/value head
-    (``pack_gqa``) -> [B, 1, heads * head_dim]. In bf16 the folded heads give the same bits several
-    times faster on the CPU (bench/sampling.py); in fp32 ``enable_gqa`` is as fast, and its sums are
-    transformers' own."""
+    """transformers' ``sdpa_attention_forward`` for one query token on the CPU: without a mask grouped-query
+    attention by ``enable_gqa``, as transformers does there (its sums; in bf16 the folded heads below
+    parted from ``generate``'s greedy tokens on an AVX-512 CPU, and were no faster there); with a mask
+    the query heads folded onto their key/value head (``pack_gqa``) -> [B, 1, heads * head_dim]."""
     rows, heads, _, dim = q.shape
-    if groups > 1 and mask is None and q.dtype == torch.float32:
+    if groups > 1 and mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     else:
         if groups > 1:

@@ -115,6 +115,20 @@ def test_smollm2_bf16_on_gsm8k_prompts_gives_generate_s_tokens(base_dir, tokeniz
     assert torch.equal(got, generate(model, ids, mask, 24, pad))
 
 
+def test_smollm2_bf16_one_row_at_a_time_gives_generate_s_tokens(base_dir, tokenizer, shared_data):
+    """One unpadded row, as `hf` decodes at 1 prompt per rank: no mask, so ``generate`` attends by SDPA's
+    ``enable_gqa`` and the decoder must too (on an AVX-512 Xeon the query heads folded onto their
+    key/value head parted from ``generate`` at the 7th-44th greedy token of every prompt tried)."""
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    ids, mask = gsm8k_prompts(tokenizer, shared_data)
+    pad = tokenizer.pad_token_id
+    for row in range(len(ids)):
+        one, one_mask = ids[row:row + 1, mask[row].bool()], mask[row:row + 1, mask[row].bool()]
+        got, body_calls = decode_counting_forwards(model, one, one_mask, 48, pad)
+        assert body_calls == 1
+        assert torch.equal(got, generate(model, one, one_mask, 48, pad)), row
+
+
 def test_smollm2_with_fp32_products_gives_the_tokens_of_generate(base_dir, tokenizer, shared_data, monkeypatch):
     """Where bf16 layers take fp32 products (CPUs without bf16 kernels: rlhfkit.models.cpu_bf16), the
     decoder packs fp32 weights and attends in fp32 over fp32 KV buffers: the real model, loaded as the
