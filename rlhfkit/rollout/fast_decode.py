@@ -94,10 +94,10 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], groups: int,
                scale: float) -> torch.Tensor:
-    """transformers' ``sdpa_attention_forward`` for one query token on the CPU: without a mask grouped-query
-    attention by ``enable_gqa``, as transformers does there (its sums; in bf16 the folded heads below
-    parted from ``generate``'s greedy tokens on an AVX-512 CPU, and were no faster there); with a mask
-    the query heads folded onto their key/value head (``pack_gqa``) -> [B, 1, heads * head_dim]."""
+    """transformers' ``sdpa_attention_forward`` for one query token, with its choices and so its sums ->
+    [B, 1, heads * head_dim]: without a mask grouped-query attention by ``enable_gqa``; with one the query
+    heads folded onto their key/value head (``pack_gqa``). (Folded heads without a mask, too, parted from
+    ``generate``'s greedy tokens in bf16 on an AVX-512 CPU, and were no faster there.)"""
     rows, heads, _, dim = q.shape
     if groups > 1 and mask is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
