@@ -73,8 +73,7 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
     pooled = {"accuracy": acc, "accuracy_ci_low": low, "pairs": n, "longer_baseline": m.get("eval_longer_baseline"),
               "chosen_shorter_accuracy": m.get("eval_chosen_shorter_accuracy")}
     ok = all(_set_ok(v, t) for v in sets.values()) if sets else _set_ok(pooled, t)
-    rule = _length_rule(t) if (_length_biased(pooled) and not sets and t.shorter_accuracy is not None) else (
-        f">= {t.rm_accuracy:.2f} with the CI above 0.5")
+    rule = _length_rule(t) if not sets and _length_rule_applies(pooled, t) else f">= {t.rm_accuracy:.2f} with the CI above 0.5"
     lines = [f"step 2 (reward model): held-out accuracy {acc:.3f}, 95% CI [{low:.3f}, {high:.3f}], on {n} pairs "
              f"(before training {m['eval_accuracy_before']:.3f}); target {rule} "
              f"on >= {t.min_pairs} pairs" + (" of each preference set" if sets else "") + f": {_verdict(ok)}"]
@@ -82,7 +81,7 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
         lines.append("  baselines: " + _baselines(m["eval_longer_baseline"], m.get("eval_chosen_shorter_accuracy"),
                                                   m.get("eval_chosen_shorter_pairs")))
     for tag, v in sets.items():
-        biased = t.shorter_accuracy is not None and _length_biased(v)
+        biased = _length_rule_applies(v, t)
         lines.append(f"  {tag}: accuracy {v['accuracy']:.3f}, 95% CI [{v['accuracy_ci_low']:.3f}, {v['accuracy_ci_high']:.3f}], "
                      f"on {v['pairs']} pairs" + (f" (length-biased: target {_length_rule(t)})" if biased else "")
                      + f": {_verdict(_set_ok(v, t))}; "
@@ -91,12 +90,14 @@ def reward_model_lines(m: dict, t: Targets) -> list[str]:
     return lines
 
 
-def _length_biased(v: dict) -> bool:
-    """Is "prefer the longer answer" right more often than not on this set (its 95% Wilson interval above 0.5)?"""
+def _length_rule_applies(v: dict, t: Targets) -> bool:
+    """Do the targets have a length rule, and is this set length-biased: "prefer the longer answer" right more
+    often than not (its 95% Wilson interval above 0.5)?"""
     from rlhfkit.eval_stats import wilson_interval
 
     longer, n = v.get("longer_baseline"), v.get("pairs", 0)
-    return longer is not None and n > 0 and wilson_interval(round(longer * n), n)[0] > 0.5
+    return (t.shorter_accuracy is not None and longer is not None and n > 0
+            and wilson_interval(round(longer * n), n)[0] > 0.5)
 
 
 def _length_rule(t: Targets) -> str:
@@ -105,7 +106,7 @@ def _length_rule(t: Targets) -> str:
 
 def _set_ok(v: dict, t: Targets) -> bool:
     """One preference set's (or the pooled) held-out figures against the targets."""
-    if t.shorter_accuracy is not None and _length_biased(v):
+    if _length_rule_applies(v, t):
         shorter = v.get("chosen_shorter_accuracy")
         return (v["pairs"] >= t.min_pairs and v["accuracy"] > v["longer_baseline"]
                 and shorter is not None and shorter >= t.shorter_accuracy)
