@@ -126,6 +126,10 @@ class Step3Algo:
                                         "model's, meets --kl_ctl (TRL's score scaling, OpenRLHF's --normalize_reward).")
     clip_reward_value: Optional[float] = arg(5.0, "Clip sequence scores to [-c, c] (None: no clipping).")
     truncated_reward: Optional[float] = arg(None, "Replace the score of a truncated response (no EOS) with this value.")
+    empty_reward: str = arg("min", "The score of an empty response (EOS first): min, capped at the lowest score of a non-empty "
+                                   "response in the global batch (a reward model never saw an empty answer and may score it "
+                                   "high; PPO then learns to say nothing); keep, the reward's own score; or a number, which "
+                                   "replaces it after --normalize_reward.")
     gamma: float = arg(1.0, "Discount factor.")
     lam: float = arg(0.95, "GAE lambda.")
     cliprange: float = arg(0.2, "PPO policy clip range (both sides unless --clip_eps_low/high).")
@@ -225,6 +229,11 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
             self.kl_estimator = spec.kl_estimator
         if self.whiten_advantages is None:
             self.whiten_advantages = spec.whiten_advantages
+        if self.empty_reward not in ("min", "keep"):
+            try:
+                float(self.empty_reward)
+            except ValueError:
+                raise ConfigError(f"--empty_reward {self.empty_reward}: use min, keep or a number") from None
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"--kl_estimator {self.kl_estimator}: use one of {', '.join(KL_ESTIMATORS)}")
         if spec.kl_in_loss and self.kl_estimator == "k1":

@@ -60,10 +60,34 @@ def test_evaluation_reads_the_running_reward_moments_and_never_updates_them():
     from rlhfkit.algos import RunningMoments
     from rlhfkit.ppo.collect import ExperienceMaker
 
-    maker = SimpleNamespace(cfg=SimpleNamespace(truncated_reward=None, overlong_buffer_len=0), reward_norm=RunningMoments())
+    maker = SimpleNamespace(cfg=SimpleNamespace(truncated_reward=None, overlong_buffer_len=0, empty_reward="keep"),
+                            reward_norm=RunningMoments())
     out = ExperienceMaker.shaped(maker, torch.tensor([1.0, 3.0]), None, training=True)  # mean 2, var 1
     torch.testing.assert_close(out, torch.tensor([-1.0, 1.0]))
     state = maker.reward_norm.state_dict()
     out = ExperienceMaker.shaped(maker, torch.tensor([10.0]), None, training=False)
     torch.testing.assert_close(out, torch.tensor([8.0]))
     assert maker.reward_norm.state_dict() == state
+
+
+def test_an_empty_answer_is_scored_as_the_worst_real_one_before_normalisation():
+    """--empty_reward min (the default): in training an empty response's score (EOS first) is capped at the lowest
+    real one in the batch before the running moments see it; a number replaces it after normalisation; keep
+    leaves the reward model's score. A held-out batch keeps the reward model's own scores."""
+    from rlhfkit.algos import RunningMoments
+    from rlhfkit.ppo.collect import ExperienceMaker
+
+    raw, batch = torch.tensor([1.0, 9.0, 3.0, 2.0]), SimpleNamespace(empty=torch.tensor([False, True, False, False]))
+    maker = SimpleNamespace(cfg=SimpleNamespace(truncated_reward=None, overlong_buffer_len=0, empty_reward="min"),
+                            reward_norm=RunningMoments())
+    out = ExperienceMaker.shaped(maker, raw, batch, training=True)
+    # scores 1, 1, 3, 2: mean 1.75, variance (0.75^2 + 0.75^2 + 1.25^2 + 0.25^2) / 4 = 0.6875
+    std = 0.6875 ** 0.5
+    torch.testing.assert_close(out, torch.tensor([-0.75 / std, -0.75 / std, 1.25 / std, 0.25 / std]))
+    assert maker.reward_norm.mean == pytest.approx(1.75)  # the moments saw the capped score, not 9
+    torch.testing.assert_close(ExperienceMaker.shaped(SimpleNamespace(cfg=maker.cfg, reward_norm=None), raw, batch, training=False),
+                               raw)
+    for value, expected in (("-5", [1.0, -5.0, 3.0, 2.0]), ("keep", raw.tolist())):
+        maker = SimpleNamespace(cfg=SimpleNamespace(truncated_reward=None, overlong_buffer_len=0, empty_reward=value),
+                                reward_norm=None)
+        assert ExperienceMaker.shaped(maker, raw, batch, training=True).tolist() == expected

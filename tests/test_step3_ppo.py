@@ -183,6 +183,7 @@ def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
         (["--per_device_training_batch_size", "3"], "must divide the samples per rank"),
         (["--rollout_backend", "deepspeed"], "needs CUDA"),
         (["--actor_zero_stage", "4"], "--actor_zero_stage 4 is out of range"),
+        (["--empty_reward", "never"], "--empty_reward never: use min, keep or a number"),
         (["--algo", "grpo", "--n_samples_per_prompt", "2", "--freezing_actor_steps", "2"], "a critic warm-up, for --algo ppo only"),
     ]
     for extra, message in cases:

@@ -5,7 +5,15 @@ Shapes: B batch, T full sequence, A response (action) tokens; ``mask`` [B, A] is
 response up to and including EOS, 0 after.
 """
 
-from .advantages import REWARD_SCALES, gae_advantages, group_advantages, overlong_penalty, reinforce_pp_returns
+from .advantages import (
+    REWARD_SCALES,
+    floor_empty_scores,
+    gae_advantages,
+    group_advantages,
+    lowest_real_score,
+    overlong_penalty,
+    reinforce_pp_returns,
+)
 from .controllers import AdaptiveKLController, FixedKLController, RunningMoments, ema_update_
 from .kl import kl_estimate, kl_penalized_rewards
 from .losses import (
@@ -56,6 +64,8 @@ __all__ = [
     "group_advantages",
     "reinforce_pp_returns",
     "overlong_penalty",
+    "lowest_real_score",
+    "floor_empty_scores",
     "REWARD_SCALES",
     # losses
     "IGNORE_INDEX",

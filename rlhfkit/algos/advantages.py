@@ -145,3 +145,27 @@ def overlong_penalty(
     else:
         frac = ((lengths - (max_len - buffer_len)) / buffer_len).clamp(0.0, 1.0)
     return -penalty_factor * frac
+
+
+
+def lowest_real_score(scores: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
+    """[1]: the lowest score of a non-empty response in ``scores`` [N] (``empty`` [N] bool: EOS came
+    first), +inf when there is none. Its min over ranks is :func:`floor_empty_scores`' ``lowest``."""
+    real = torch.where(empty, torch.full_like(scores, float("inf")), scores)
+    return real.min().reshape(1) if len(real) else scores.new_full((1,), float("inf"))
+
+
+def floor_empty_scores(scores: torch.Tensor, empty: torch.Tensor, lowest: torch.Tensor) -> torch.Tensor:
+    """Scores [N] with each empty response's (EOS first) capped at ``lowest``, the lowest score of a
+    non-empty response in the global batch (:func:`lowest_real_score`, min over ranks).
+
+    A reward model is fitted on real answers and never sees an empty one; its score there is an
+    extrapolation, and can be its highest (measured on hh-rlhf reward models: an empty answer scored
+    above the step-1 model's answers, and a long PPO run learnt to answer nothing). Capped, an empty
+    answer is never better than the worst real one, and keeps its score when that is lower.
+    DeepSpeed-Chat drops answers of <= 1 token from the batch instead. With no non-empty response
+    anywhere (``lowest`` +inf) the scores are returned unchanged.
+    """
+    if not bool(torch.isfinite(lowest).all()):
+        return scores
+    return torch.where(empty, torch.minimum(scores, lowest.to(scores.dtype)), scores)

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 
 from rlhfkit import distributed as dist
-from rlhfkit.algos import RunningMoments, masked_moments, overlong_penalty
+from rlhfkit.algos import RunningMoments, floor_empty_scores, lowest_real_score, masked_moments, overlong_penalty
 from rlhfkit.experience import Experience, actor_forward, critic_forward
 from rlhfkit.models import sequence_scores
 from rlhfkit.ppo.models import PPOModels
@@ -87,16 +87,23 @@ class ExperienceMaker:
         return total
 
     def shaped(self, raw: torch.Tensor, batch: RolloutBatch, training: bool = True) -> torch.Tensor:
-        """The scores the advantages see: normalised by the running mean and std of all the training scores so
+        """The scores the advantages see: in training an empty response's capped at the batch's lowest real
+        score (--empty_reward min), then normalised by the running mean and std of all the training scores so
         far (--normalize_reward; a held-out evaluation reads them, never updates them), then a truncated
-        response's replaced (--truncated_reward), DAPO's overlong penalty added (--overlong_buffer_len)."""
+        or empty response's replaced (--truncated_reward, --empty_reward NUMBER), DAPO's overlong penalty
+        added (--overlong_buffer_len)."""
         cfg, scores = self.cfg, raw.clone()
+        if cfg.empty_reward == "min" and training:
+            empty = batch.empty.to(scores.device)
+            scores = floor_empty_scores(scores, empty, dist.all_reduce_min(lowest_real_score(scores, empty)))
         if self.reward_norm is not None:
             if training:
-                self.reward_norm.update(*dist.all_reduce_sum(masked_moments(raw, torch.ones_like(raw))).tolist())
+                self.reward_norm.update(*dist.all_reduce_sum(masked_moments(scores, torch.ones_like(scores))).tolist())
             scores = self.reward_norm.normalize(scores)
         if cfg.truncated_reward is not None:
             scores = torch.where(batch.truncated.to(self.device), torch.full_like(scores, cfg.truncated_reward), scores)
+        if cfg.empty_reward not in ("min", "keep"):
+            scores = torch.where(batch.empty.to(scores.device), torch.full_like(scores, float(cfg.empty_reward)), scores)
         if cfg.overlong_buffer_len:
             scores = scores + overlong_penalty(batch.response_lengths.to(self.device), cfg.max_answer_seq_len,
                                                cfg.overlong_buffer_len, cfg.overlong_penalty_factor)

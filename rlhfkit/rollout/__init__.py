@@ -27,6 +27,7 @@ from rlhfkit.rollout.base import (
     RolloutBatch,
     RolloutEngine,
     RolloutOptions,
+    empty_responses,
     postprocess,
 )
 
@@ -86,6 +87,7 @@ __all__ = [
     "RolloutBatch",
     "RolloutEngine",
     "RolloutOptions",
+    "empty_responses",
     "postprocess",
     "check_backend",
     "training_engine_options",

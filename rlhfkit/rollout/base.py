@@ -132,8 +132,18 @@ class RolloutBatch:
         """[B] number of response tokens, EOS included."""
         return self.action_mask.sum(dim=1)
 
+    @property
+    def empty(self) -> torch.Tensor:
+        """[B] bool: the response is its EOS alone (nothing said before it)."""
+        return empty_responses(self.action_mask, self.truncated)
+
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
+
+
+def empty_responses(action_mask: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """[B] bool from a response mask [B, A] (1 up to and including EOS) and [B] truncated: EOS came first."""
+    return (action_mask.sum(dim=1) <= 1) & ~truncated.to(action_mask.device).bool()
 
 
 @dataclass(kw_only=True)

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from rlhfkit.algos import (
+    floor_empty_scores,
     gae_advantages,
     group_advantages,
     kl_estimate,
     kl_penalized_rewards,
+    lowest_real_score,
     masked_whiten,
     overlong_penalty,
     reinforce_pp_returns,
@@ -252,3 +254,29 @@ def test_overlong_penalty_edges():
     assert torch.allclose(overlong_penalty(lengths, max_len, 0, 0.5), torch.tensor([0, 0, 0, 0, 0, 0, -0.5, -0.5]))
     with pytest.raises(ValueError):
         overlong_penalty(lengths, 10, 11, 1.0)
+
+
+# ---------------------------------------------------------------- empty responses
+def test_empty_responses_are_capped_at_the_lowest_real_score_by_hand():
+    scores = torch.tensor([0.5, 2.0, -1.0, 3.0, -4.0])
+    empty = torch.tensor([False, True, False, True, True])
+    lowest = lowest_real_score(scores, empty)
+    assert lowest.tolist() == [-1.0]  # of the real answers 0.5 and -1.0
+    # 2.0 and 3.0 (empty) drop to -1.0; -4.0 (empty) is already lower and stays; real answers are untouched
+    assert floor_empty_scores(scores, empty, lowest).tolist() == [0.5, -1.0, -1.0, -1.0, -4.0]
+
+
+def test_empty_floor_is_the_minimum_over_ranks():
+    rank0 = (torch.tensor([1.0, 5.0]), torch.tensor([False, True]))
+    rank1 = (torch.tensor([0.25, 9.0]), torch.tensor([False, True]))
+    lowest = torch.minimum(lowest_real_score(*rank0), lowest_real_score(*rank1))  # what all_reduce_min gives each rank
+    assert floor_empty_scores(*rank0, lowest).tolist() == [1.0, 0.25]
+    assert floor_empty_scores(*rank1, lowest).tolist() == [0.25, 0.25]
+
+
+def test_empty_floor_with_no_real_answer_anywhere_changes_nothing():
+    scores, empty = torch.tensor([2.0, 3.0]), torch.tensor([True, True])
+    lowest = lowest_real_score(scores, empty)
+    assert lowest.tolist() == [math.inf]
+    assert floor_empty_scores(scores, empty, lowest).tolist() == [2.0, 3.0]
+    assert lowest_real_score(torch.zeros(0), torch.zeros(0, dtype=torch.bool)).tolist() == [math.inf]  # no rows on this rank

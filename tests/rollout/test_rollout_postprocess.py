@@ -26,6 +26,7 @@ def test_eos_at_different_positions_and_truncation():
     assert b.action_mask.tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
     assert b.truncated.tolist() == [False, False, True]
     assert b.response_lengths.tolist() == [2, 1, 5]
+    assert b.empty.tolist() == [False, True, False]  # EOS first: nothing said
     assert torch.equal(b.sequences, torch.cat([PROMPT, b.response_ids], 1))
     assert b.attention_mask.tolist() == [[0, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]]
     assert b.attention_mask.dtype == PMASK.dtype
@@ -73,6 +74,7 @@ def test_all_truncated_and_single_token():
     b = postprocess(PROMPT, PMASK, gen, EOS, PAD)
     assert b.truncated.tolist() == [True, True, False]
     assert b.action_mask.tolist() == [[1], [1], [1]]
+    assert b.empty.tolist() == [False, False, True]  # one token cut by the limit is said; EOS alone is not
 
 
 def test_empty_batch():
