@@ -80,17 +80,21 @@ class Responses:
     texts: list[str]  # decoded, special tokens skipped
     tokens: list[int]
     truncated: list[bool]
+    empty: list[bool]  # EOS came first: nothing said
 
 
 def unpack(batches: list, tokenizer: Any) -> Responses:
-    ids, tokens, truncated = [], [], []
+    from rlhfkit.rollout import empty_responses
+
+    ids, tokens, truncated, empty = [], [], [], []
     for rb in batches:
         for row, mask, trunc in zip(rb.response_ids.tolist(), rb.action_mask.tolist(), rb.truncated.tolist()):
             n = int(sum(mask))
             ids.append(row[:n])
             tokens.append(n)
             truncated.append(bool(trunc))
-    return Responses(ids, tokenizer.batch_decode(ids, skip_special_tokens=True), tokens, truncated)
+        empty += empty_responses(rb.action_mask, rb.truncated).tolist()
+    return Responses(ids, tokenizer.batch_decode(ids, skip_special_tokens=True), tokens, truncated, empty)
 
 
 def token_logprobs(model: Any, batches: list, device: str) -> list:

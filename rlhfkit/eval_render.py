@@ -89,9 +89,9 @@ def _rate_cell(rate: float | None, ci: list | None) -> str:
     return fmt(rate) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
 
 
-def headline_rows(results: dict) -> list[tuple[str, str, str, str]]:
-    return [(name, _reward_cell(m["reward"]), fmt(m["response_tokens_mean"]), f"{100 * m['truncated_rate']:.1f}%")
-            for name, m in results["models"].items()]
+def headline_rows(results: dict) -> list[tuple[str, str, str, str, str]]:
+    return [(name, _reward_cell(m["reward"]), fmt(m["response_tokens_mean"]), f"{100 * m['truncated_rate']:.1f}%",
+             f"{100 * m.get('empty_rate', 0.0):.1f}%") for name, m in results["models"].items()]
 
 
 def scorer_comparisons(results: dict) -> list[tuple[str, dict]]:
@@ -123,9 +123,9 @@ def comparison_lines(results: dict) -> list[str]:
 
 def headline_text(results: dict) -> str:
     """The headline table and the comparison, as printed at the end of the run."""
-    header = ("model", f"mean reward ± {int(CI_LEVEL * 100)}% CI", "length (tokens)", "truncated")
+    header = ("model", f"mean reward ± {int(CI_LEVEL * 100)}% CI", "length (tokens)", "truncated", "empty")
     table = [header] + headline_rows(results)
-    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines + comparison_lines(results))
@@ -144,8 +144,9 @@ def build_markdown(results: dict, plots: list[tuple[str, str]]) -> str:
               f"- prompts: {results['prompts']['count']}, {results['prompts']['samples_per_prompt']} response(s) each per model; "
               f"{md_escape(results['prompts']['origin'])}",
               f"- decoding: {cfg['decoding']}, up to {cfg['max_new_tokens']} new tokens; {cfg['device']}, {cfg['dtype']}",
-              "", "| Model | Mean reward ± 95% CI | Response length (tokens) | Truncated |", "|---|---:|---:|---:|"]
-    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in headline_rows(results)]
+              "", "| Model | Mean reward ± 95% CI | Response length (tokens) | Truncated | Empty |",
+              "|---|---:|---:|---:|---:|"]
+    lines += ["| " + " | ".join(row) + " |" for row in headline_rows(results)]
     lines.append("")
     for name in results["models"]:
         extra = [f"{k} {fmt(v)}" for k, v in results["models"][name].items() if k in ("reward_model_mean", "reward_fn_mean")]

@@ -86,11 +86,12 @@ def compare_by(rows: list[dict], groups: list[int], score: Callable[[dict, str],
 
 
 def model_summary(path: str, r: Responses, parts: dict, rewards: list[float], groups: list[int]) -> dict:
-    """One model's reward (t interval over prompts), component means, mean length and truncation rate."""
+    """One model's reward (t interval over prompts), component means, mean length, truncation and empty rates."""
     n = len(r.tokens)
     return {"path": os.path.abspath(path), "reward": mean_ci(group_means(rewards, groups)),
             **{f"{k}_mean": math.fsum(v) / n for k, v in parts.items()},
-            "response_tokens_mean": sum(r.tokens) / n, "truncated_rate": sum(r.truncated) / n}
+            "response_tokens_mean": sum(r.tokens) / n, "truncated_rate": sum(r.truncated) / n,
+            "empty_rate": sum(r.empty) / n}
 
 
 def judge_summary(judge: str, rows: list[dict], groups: list[int], names: list[str], has_base: bool, seed: int) -> dict:

@@ -133,20 +133,33 @@ def judge_lines(judge: dict, proxy: Optional[dict], t: Targets) -> list[str]:
     return [line]
 
 
+EMPTY_SLACK = 0.01  # the actor may answer nothing this much more often than the baseline (sampling noise)
+_EMPTY_RULE = f"empty answers at most {EMPTY_SLACK:.0%} above the baseline's"
+
+
+def _more_empty(before: float, after: float) -> bool:
+    """The actor answers nothing (EOS first) more often than the baseline, beyond :data:`EMPTY_SLACK`. Reward
+    models never see an empty answer in training and may score it high, so a gain that comes with more
+    empty answers is not a better model (a hh-rlhf PPO run measured 0% -> 49% empty, judged a win)."""
+    return after > before + EMPTY_SLACK
+
+
 def policy_lines(m: dict, t: Targets, label: str = "step 3") -> list[str]:
     """Step 3's paired held-out reward gain over the step-1 model and its KL, against the targets."""
     if m.get("eval_reward_gain") is None:
         return [f"{label}: no held-out evaluation recorded"]
     low, high = m["eval_reward_gain_ci"]
     n = m.get("eval_prompts", 0)
-    ok = low is not None and low > 0 and n >= t.min_prompts
+    empty = (m.get("eval_empty_rate_before", 0.0), m.get("eval_empty_rate_after", 0.0))
+    ok = low is not None and low > 0 and n >= t.min_prompts and not _more_empty(*empty)
     kl = m.get("eval_kl_per_token_after")
     return [f"{label}: held-out reward {m['eval_reward_before']:.4f} (step-1 model) -> {m['eval_reward_after']:.4f} (actor), "
             f"gain {m['eval_reward_gain']:+.4f}, paired 95% CI [{low:+.4f}, {high:+.4f}] over {n} prompts"
             + (f"; KL {kl:.4f} nats per token" if kl is not None else "")
             + (f"; response length {m['eval_response_len_before']:.1f} -> {m['eval_response_len_after']:.1f} tokens"
                if "eval_response_len_after" in m else "")
-            + f"; target: CI above 0 on >= {t.min_prompts} prompts: {_verdict(ok)}"] + judged_change_lines(m, label)
+            + (f"; empty responses {empty[0]:.1%} -> {empty[1]:.1%}" if any(empty) else "")
+            + f"; target: CI above 0 on >= {t.min_prompts} prompts, {_EMPTY_RULE}: {_verdict(ok)}"] + judged_change_lines(m, label)
 
 
 def judged_change_lines(m: dict, label: str) -> list[str]:
@@ -169,10 +182,15 @@ def eval_lines(results: dict, t: Optional[Targets] = None) -> list[str]:
         return []
     prompts = results.get("prompts", {})
     n, samples = prompts.get("count", 0), prompts.get("samples_per_prompt", 1)
-    enough = n >= t.min_prompts and samples >= 2
+    models = results.get("models", {})
+    empty = tuple(models.get(k, {}).get("empty_rate", 0.0) for k in ("baseline", "actor"))
+    enough = n >= t.min_prompts and samples >= 2 and not _more_empty(*empty)
     lines = [f"rlhfkit eval (training reward model): {_win_text(c)}, over {n} prompts x {samples} samples"
              + (f"; target: win rate >= {t.win_rate:.2f} on >= {t.min_prompts} prompts, several samples each: "
                 f"{_verdict(enough and c['win_rate_ties_half'] >= t.win_rate)}" if t.win_rate is not None else "")]
+    if any(empty):
+        lines.append(f"  empty responses: baseline {empty[0]:.1%}, actor {empty[1]:.1%}"
+                     + (f" (the targets also need {_EMPTY_RULE})" if t.win_rate is not None else ""))
     for name, j in (results.get("judges") or {}).items():
         jc = j.get("comparison", j)
         if "win_rate_ties_half" not in jc:

@@ -138,7 +138,8 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
             lines[f"held-out {part}"] = (f"{b[part]:.3f} -> {a[part]:.3f}, change {g['mean']:+.3f}, 95% CI "
                                          f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] paired over {g['n']} prompts")
         lines["held-out length"] = (f"{b['response_len']:.1f} -> {a['response_len']:.1f} tokens per response, truncated "
-                                    f"{b['truncated_rate']:.0%} -> {a['truncated_rate']:.0%}")
+                                    f"{b['truncated_rate']:.0%} -> {a['truncated_rate']:.0%}, empty "
+                                    f"{b.get('empty_rate', 0):.0%} -> {a.get('empty_rate', 0):.0%}")
         lines["KL to step-1 model"] = f"{a['kl_per_token']:.4f} nats per token (k3), {a['kl_per_seq']:.3f} per sequence"
     out = os.path.abspath(cfg.output_dir)
     lines["metrics"] = os.path.join(out, "logs", "metrics.jsonl")
@@ -161,7 +162,8 @@ def final_metrics(progress: Progress, total_steps: int, seconds: float, fingerpr
                 "eval_reward_gain": gain["mean"], "eval_reward_gain_ci": [gain["ci_low"], gain["ci_high"]],
                 "eval_prompts": evals[-1]["prompts"], "eval_kl_per_token_after": evals[-1]["kl_per_token"],
                 "eval_response_len_before": evals[0]["response_len"], "eval_response_len_after": evals[-1]["response_len"],
-                "eval_kl_per_seq_after": evals[-1]["kl_per_seq"], **part_metrics(evals[0], evals[-1])} if evals else {})}
+                "eval_kl_per_seq_after": evals[-1]["kl_per_seq"], "eval_empty_rate_before": evals[0].get("empty_rate", 0.0),
+                "eval_empty_rate_after": evals[-1].get("empty_rate", 0.0), **part_metrics(evals[0], evals[-1])} if evals else {})}
 
 
 def part_metrics(before: dict, after: dict) -> dict:

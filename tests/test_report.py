@@ -315,6 +315,36 @@ def test_quality_outcomes_judge_and_win_rates(tmp_path):
     assert outcome_lines(run)[-1].endswith(": MISSED") and outcome_lines(run)[-2].endswith(": MISSED")
 
 
+def test_a_gain_that_comes_with_empty_answers_is_not_met(tmp_path):
+    """Reward models never see an empty answer (EOS first) and may score it high: step 3's gain and the win rates
+    are not met when the actor answers nothing more often than the step-1 model, by more than 1 point."""
+    from rlhfkit.outcomes import outcome_lines
+
+    run = tmp_path / "run"
+    actor = {"eval_reward_before": 0.1, "eval_reward_after": 0.17, "eval_reward_gain": 0.07, "eval_reward_gain_ci": [0.06, 0.08],
+             "eval_prompts": 128, "eval_empty_rate_before": 0.0, "eval_empty_rate_after": 0.49}
+    (run / "step3" / "actor").mkdir(parents=True)
+    (run / "pipeline.json").write_text(json.dumps({"size": "quality"}))
+    (run / "eval").mkdir()
+    win = {"win_rate_ties_half": 0.86, "win_rate_ties_half_ci": [0.82, 0.89], "lc_win_rate": 0.69, "lc_win_rate_ci": [0.62, 0.76]}
+    results = {"prompts": {"count": 128, "samples_per_prompt": 4}, "comparison": win, "judges": {"/j": {"comparison": win}},
+               "models": {"actor": {"empty_rate": 0.49}, "baseline": {"empty_rate": 0.0}}}
+
+    def lines(after: float) -> list[str]:
+        actor["eval_empty_rate_after"] = results["models"]["actor"]["empty_rate"] = after
+        (run / "step3" / "actor" / "rlhfkit.json").write_text(json.dumps({"stage": "ppo", "metrics": actor}))
+        (run / "eval" / "results.json").write_text(json.dumps(results))
+        return [x for x in outcome_lines(run) if "step 3" in x or "win rate" in x or "empty" in x]
+
+    got = lines(0.49)
+    assert "empty responses 0.0% -> 49.0%" in got[0] and got[0].endswith(": MISSED")
+    assert got[1].endswith(": MISSED") and got[3].endswith(": MISSED")  # the reward model's and the judge's win rates
+    assert got[2] == "  empty responses: baseline 0.0%, actor 49.0% (the targets also need empty answers at most 1% above the baseline's)"
+    got = lines(0.01)  # within the point of slack: met
+    assert got[0].endswith(": met") and got[1].endswith(": met") and got[3].endswith(": met")
+    assert len(lines(0.0)) == 3  # no empty answers on either side: no line about them
+
+
 def test_quality_step2_judges_a_length_biased_set_by_its_baselines():
     """--size quality: on a set where "prefer the longer answer" is right more often than not (its Wilson interval
     above 0.5), the reward model must beat that baseline and reach 0.55 where the chosen answer is the shorter; a

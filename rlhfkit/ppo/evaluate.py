@@ -23,9 +23,10 @@ from rlhfkit.experience import Experience
 from rlhfkit.ppo.collect import Collected, ExperienceMaker, part_means
 from rlhfkit.loaders import eval_batches
 from rlhfkit.program import peak_rss_gb
+from rlhfkit.rollout import empty_responses
 
 # The weighted sums one evaluation batch adds (a padding prompt weighs 0), reduced over ranks into the metrics.
-SUMS = ("reward", "prompt_reward", "prompt_reward_sq", "prompts", "samples", "kl_k3", "kl_k1", "tokens", "truncated")
+SUMS = ("reward", "prompt_reward", "prompt_reward_sq", "prompts", "samples", "kl_k3", "kl_k1", "tokens", "truncated", "empty")
 
 
 # The evaluation's per-prompt mean rewards, in prompt order, and {reward part: per-prompt means} (gsm8k: accuracy,
@@ -125,20 +126,20 @@ def batch_sums(exp: Experience, prompt_weights: torch.Tensor, samples: int) -> t
     w = w.double()
     return torch.stack([(w * reward).sum(), (pw * prompt_reward).sum(), (pw * prompt_reward.square()).sum(), pw.sum(), w.sum(),
                         (w * k3).sum(), (w * k1).sum(), (w * mask.sum(-1).double()).sum(),
-                        (w * exp.truncated.double()).sum()]).cpu()
+                        (w * exp.truncated.double()).sum(), (w * empty_responses(mask, exp.truncated).double()).sum()]).cpu()
 
 
 def eval_metrics(total: torch.Tensor) -> dict[str, float]:
     """The held-out metrics from the summed :data:`SUMS`: ``reward`` (mean over responses) and ``reward_se`` (its
     standard error over prompts, each prompt's mean over its samples; with 2+ prompts), the KL to the reference
     in nats, k3 ``kl_per_token`` (total / response tokens, as training's ``kl/per_token``) and ``kl_per_seq``
-    (mean over responses), k1 ``kl_k1_per_token`` / ``kl_k1_per_seq``, ``response_len``, ``truncated_rate``,
+    (mean over responses), k1 ``kl_k1_per_token`` / ``kl_k1_per_seq``, ``response_len``, ``truncated_rate``, ``empty_rate``,
     ``prompts`` and ``samples`` (responses)."""
     t = dict(zip(SUMS, total.tolist()))
     n, tokens, prompts = max(t["samples"], 1.0), max(t["tokens"], 1.0), t["prompts"]
     out = {"reward": t["reward"] / n, "kl_per_token": t["kl_k3"] / tokens, "kl_per_seq": t["kl_k3"] / n,
            "kl_k1_per_token": t["kl_k1"] / tokens, "kl_k1_per_seq": t["kl_k1"] / n, "response_len": t["tokens"] / n,
-           "truncated_rate": t["truncated"] / n, "prompts": int(prompts), "samples": int(t["samples"])}
+           "truncated_rate": t["truncated"] / n, "empty_rate": t["empty"] / n, "prompts": int(prompts), "samples": int(t["samples"])}
     if prompts >= 2:
         var = max(t["prompt_reward_sq"] - t["prompt_reward"] ** 2 / prompts, 0.0) / (prompts - 1)
         out["reward_se"] = math.sqrt(var / prompts)
@@ -159,6 +160,7 @@ def step_metrics(c: Collected, train_stats: dict[str, float], *, step_s: float, 
              "adv/mean": masked_mean(exp.advantages, exp.action_mask).item(),
              "adv/return_mean": masked_mean(exp.returns, exp.action_mask).item(),
              "gen/response_len": lengths.float().mean().item(), "gen/truncated_rate": exp.truncated.float().mean().item(),
+             "gen/empty_rate": empty_responses(exp.action_mask, exp.truncated).float().mean().item(),
              **train_stats}
     metrics = dist.mean_over_ranks(local, dev)
     n_samples = len(exp) * dist.world_size()
