@@ -147,7 +147,6 @@ def overlong_penalty(
     return -penalty_factor * frac
 
 
-
 def lowest_real_score(scores: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """[1]: the lowest score of a non-empty response in ``scores`` [N] (``empty`` [N] bool: EOS came
     first), +inf when there is none. Its min over ranks is :func:`floor_empty_scores`' ``lowest``."""
