@@ -30,7 +30,7 @@ from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
 from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings, add_advantages, build_models, part_means  # noqa: E402
 from rlhfkit.ppo import step_metrics, train_on  # noqa: E402
-from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, paired_gain  # noqa: E402
+from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, paired_gain, part_change_line  # noqa: E402
 from rlhfkit.ppo.progress import Progress, kl_controller, update_kl_controller  # noqa: E402
 from rlhfkit.ppo.reshard import resume_layout  # noqa: E402
 from rlhfkit.rewards import RewardFunctions  # noqa: E402
@@ -134,9 +134,7 @@ def summary(cfg: Step3Config, progress: Progress, seconds: float, paths: dict) -
         for part in b.get(PROMPT_PARTS, {}):  # reward components (gsm8k: accuracy, format), each with its own change
             if part.endswith("/weighted"):
                 continue
-            g = paired_gain(b, a, part)
-            lines[f"held-out {part}"] = (f"{b[part]:.3f} -> {a[part]:.3f}, change {g['mean']:+.3f}, 95% CI "
-                                         f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] paired over {g['n']} prompts")
+            lines[f"held-out {part}"] = part_change_line(b, a, part)
         lines["held-out length"] = (f"{b['response_len']:.1f} -> {a['response_len']:.1f} tokens per response, truncated "
                                     f"{b['truncated_rate']:.0%} -> {a['truncated_rate']:.0%}, empty "
                                     f"{b.get('empty_rate', 0):.0%} -> {a.get('empty_rate', 0):.0%}")

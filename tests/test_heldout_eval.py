@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, HeldOutEval, paired_gain
+from rlhfkit.ppo.evaluate import PROMPT_PARTS, PROMPT_REWARDS, HeldOutEval, paired_gain, part_change_line
 
 
 class FakeMaker:
@@ -53,6 +53,18 @@ def test_paired_change_of_a_reward_part():
     assert paired_gain(before, after)["mean"] == pytest.approx(0.0)  # the reward: 2 x acc
     assert paired_gain(before, after, "missing")["n"] == 0
 
+
+
+def test_summary_line_of_a_reward_part_with_two_prompts_and_with_one():
+    """The end-of-run line of a reward part: a paired interval from 2 prompts on; one prompt (--max_eval_samples 1,
+    as bench/grpo.py runs) has none, and the summary must still print instead of failing after training."""
+    before = {"acc": 0.5, PROMPT_PARTS: {"acc": [0.0, 1.0]}}
+    after = {"acc": 0.75, PROMPT_PARTS: {"acc": [0.5, 1.0]}}
+    # diffs [0.5, 0.0]: mean 0.25, s = sqrt(2 * 0.25^2 / 1) = 0.35355; half = t(0.975, 1) * s / sqrt(2) = 12.7062 * 0.25
+    assert part_change_line(before, after, "acc") == (
+        "0.500 -> 0.750, change +0.250, 95% CI [-2.927, +3.427] paired over 2 prompts")
+    one_before, one_after = {"acc": 0.0, PROMPT_PARTS: {"acc": [0.0]}}, {"acc": 1.0, PROMPT_PARTS: {"acc": [1.0]}}
+    assert part_change_line(one_before, one_after, "acc") == "0.000 -> 1.000 (1 prompt: too few for a paired interval)"
 
 def test_evaluation_reads_the_running_reward_moments_and_never_updates_them():
     """--normalize_reward: a held-out batch is normalised with the moments of the training scores so far; it must
