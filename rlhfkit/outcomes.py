@@ -144,6 +144,11 @@ def _more_empty(before: float, after: float) -> bool:
     return after > before + EMPTY_SLACK
 
 
+def _ci_text(low: Optional[float], high: Optional[float]) -> str:
+    """A paired interval as "[low, high]"; one prompt has none (``mean_ci`` gives None below 2 values)."""
+    return "none (fewer than 2 prompts)" if low is None or high is None else f"[{low:+.4f}, {high:+.4f}]"
+
+
 def policy_lines(m: dict, t: Targets, label: str = "step 3") -> list[str]:
     """Step 3's paired held-out reward gain over the step-1 model and its KL, against the targets."""
     if m.get("eval_reward_gain") is None:
@@ -154,7 +159,7 @@ def policy_lines(m: dict, t: Targets, label: str = "step 3") -> list[str]:
     ok = low is not None and low > 0 and n >= t.min_prompts and not _more_empty(*empty)
     kl = m.get("eval_kl_per_token_after")
     return [f"{label}: held-out reward {m['eval_reward_before']:.4f} (step-1 model) -> {m['eval_reward_after']:.4f} (actor), "
-            f"gain {m['eval_reward_gain']:+.4f}, paired 95% CI [{low:+.4f}, {high:+.4f}] over {n} prompts"
+            f"gain {m['eval_reward_gain']:+.4f}, paired 95% CI {_ci_text(low, high)} over {n} prompts"
             + (f"; KL {kl:.4f} nats per token" if kl is not None else "")
             + (f"; response length {m['eval_response_len_before']:.1f} -> {m['eval_response_len_after']:.1f} tokens"
                if "eval_response_len_after" in m else "")
@@ -167,9 +172,10 @@ def judged_change_lines(m: dict, label: str) -> list[str]:
     lines = []
     for key in sorted(k for k in m if k.startswith("eval_judge") and k.endswith("_change")):
         name = key[len("eval_"):-len("_change")]
-        low, high = m[f"eval_{name}_change_ci"]
+        if m[key] is None:  # no prompt evaluated
+            continue
         lines.append(f"  {label} under {name}: held-out {m[f'eval_{name}_before']:.4f} -> {m[f'eval_{name}_after']:.4f}, "
-                     f"change {m[key]:+.4f}, paired 95% CI [{low:+.4f}, {high:+.4f}]")
+                     f"change {m[key]:+.4f}, paired 95% CI {_ci_text(*m[f'eval_{name}_change_ci'])}")
     return lines
 
 

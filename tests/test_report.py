@@ -374,3 +374,20 @@ def test_quality_step2_judges_a_length_biased_set_by_its_baselines():
     assert verdicts(hh, {**helpful, "longer_baseline": 138 / 260, "accuracy": 0.64}) == ["MISSED", "met", "MISSED"]
     # the default run's targets have no length rule: 0.61 >= 0.60 passes whatever the baseline
     assert verdicts(hh, {**helpful, "accuracy": 0.61}, Targets()) == ["met", "met", "met"]
+
+
+def test_outcomes_of_a_one_prompt_evaluation_have_no_interval_and_miss(tmp_path):
+    """A held-out evaluation of one prompt (a smoke run, bench/grpo.py) has a gain but no paired interval
+    (``mean_ci`` gives None): the lines say so and the target is missed, instead of failing to format."""
+    from rlhfkit.outcomes import outcome_lines
+
+    actor = tmp_path / "step3" / "actor"
+    actor.mkdir(parents=True)
+    m = {"eval_reward_before": 0.1, "eval_reward_after": 0.25, "eval_reward_gain": 0.15, "eval_reward_gain_ci": [None, None],
+         "eval_prompts": 1, "eval_judge_j_before": 1.0, "eval_judge_j_after": 2.5, "eval_judge_j_change": 1.5,
+         "eval_judge_j_change_ci": [None, None]}
+    (actor / "rlhfkit.json").write_text(json.dumps({"stage": "ppo", "metrics": m}))
+    lines = [x for x in outcome_lines(tmp_path) if "step 3" in x]
+    assert "gain +0.1500, paired 95% CI none (fewer than 2 prompts) over 1 prompts" in lines[0]
+    assert lines[0].endswith(": MISSED")
+    assert lines[1] == "  step 3 under judge_j: held-out 1.0000 -> 2.5000, change +1.5000, paired 95% CI none (fewer than 2 prompts)"
