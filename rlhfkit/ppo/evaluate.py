@@ -48,7 +48,6 @@ def paired_gain(before: dict, after: dict, part: str | None = None) -> dict:
     return mean_ci([x - y for x, y in zip(a, b)] if len(a) == len(b) else [])
 
 
-
 def part_change_line(before: dict, after: dict, part: str) -> str:
     """The summary's line for reward component ``part``: its held-out mean before -> after, and the paired change
     with its 95% interval when at least 2 prompts were evaluated (one prompt has no interval)."""
@@ -57,6 +56,7 @@ def part_change_line(before: dict, after: dict, part: str) -> str:
     if g["n"] < 2:
         return f"{line} ({g['n']} prompt{'' if g['n'] == 1 else 's'}: too few for a paired interval)"
     return f"{line}, change {g['mean']:+.3f}, 95% CI [{g['ci_low']:+.3f}, {g['ci_high']:+.3f}] paired over {g['n']} prompts"
+
 
 class HeldOutEval:
     """``evaluate()`` -> the held-out metrics of the current actor, over all ranks (see :func:`eval_metrics`).
