@@ -5,7 +5,7 @@ the kernels, in what ``LlamaForCausalLM.forward`` does around them for every tok
 built per call, argument-deprecation and output-capturing wrappers around each of the 30 layers and
 their attention, the KV cache grown with ``torch.cat`` in every layer, the attention function looked
 up per call. :func:`llama_decoder` runs the same submodules (norms, projections, MLP, rotary
-embedding: the model's own, so LoRA layers and :func:`~rlhfkit.rollout.sampling.packed_linears` work
+embedding: the model's own, so LoRA layers and :func:`~rlhfkit.rollout.packing.packed_linears` work
 as usual) and transformers' own ``apply_rotary_pos_emb``, with the same attention call as
 transformers' SDPA path for one query token, on a KV cache allocated once at its full length. The
 logits are those of ``model(...)`` bit for bit (tested: greedy tokens equal ``generate``'s, with and
@@ -15,6 +15,10 @@ then differ from ``model(...)``'s in order and rounding only (tested: the same g
 
 Used only where that has been checked: a ``llama`` model on the CPU running SDPA attention, in eval
 mode. Everything else (other architectures, eager attention, CUDA) keeps the model's own forward.
+
+Where a layer's query, key and value projections are plain bf16 linear layers (no LoRA), the step
+computes them in one packed product, and the MLP's gate and up projections in another
+(:func:`~rlhfkit.rollout.packing.fused_linear`): the same bits, fewer passes over the weights.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rlhfkit.models import cpu_bf16
+from rlhfkit.rollout.packing import fused_linear
 
 Step = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
@@ -66,6 +71,9 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
         values[-1][:, :, :length] = v
     del past
     filled = [length]
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = [fused_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], rows) for layer in layers]
+    gate_up = [fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj], rows) for layer in layers]
 
     def step(tokens: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         t = filled[0]
@@ -76,20 +84,36 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(rows, 1, heads, head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(rows, 1, kv_heads, head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(rows, 1, kv_heads, head_dim).transpose(1, 2)
+            q, k, v = _project_qkv(attn, x, qkv[i], sizes)
+            q = q.view(rows, 1, heads, head_dim).transpose(1, 2)
+            k = k.view(rows, 1, kv_heads, head_dim).transpose(1, 2)
+            v = v.view(rows, 1, kv_heads, head_dim).transpose(1, 2)
             q, k = rope(q, k, cos, sin)
             keys[i][:, :, t] = k[:, :, 0]
             values[i][:, :, t] = v[:, :, 0]
             o = _attention(q.to(buffer_dtype), keys[i][:, :, : t + 1], values[i][:, :, : t + 1], mask, groups, attn.scaling)
             o = o.to(h.dtype)
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up[i])
         filled[0] = t + 1
         return hf_model.lm_head(body.norm(h))[:, -1].float()
 
     return step
+
+
+def _project_qkv(attn: torch.nn.Module, x: torch.Tensor, fused: Optional[Callable], sizes: list[int]) -> tuple:
+    """The query, key and value projections of ``x``: one fused product where there is one."""
+    if fused is None:
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    return fused(x).split(sizes, dim=-1)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor, fused: Optional[Callable]) -> torch.Tensor:
+    """``LlamaMLP``: down(act(gate(x)) * up(x)), gate and up in one fused product where there is one."""
+    if fused is None:
+        return mlp(x)
+    gate, up = fused(x).chunk(2, dim=-1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], groups: int,

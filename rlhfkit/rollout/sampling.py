@@ -11,9 +11,11 @@ minus costs that matter on small models:
 - Rows with the same prompt (a group of ``--n_samples_per_prompt``) are prefilled once and their KV
   cache is copied to the other rows of the group.
 - On the CPU, bf16 linear layers run from weights reordered once per call into oneDNN's blocked
-  layout (:func:`packed_linears`, as torch.compile's CPU backend does for frozen weights): the
-  same results, bit for bit, without oneDNN reordering every weight matrix at every token (fp32
-  copies on CPUs without bf16 kernels: :mod:`rlhfkit.models.cpu_bf16`).
+  layout (:func:`~rlhfkit.rollout.packing.packed_linears`): the same results, bit for bit, without
+  oneDNN reordering every weight matrix at every token (fp32 copies on CPUs without bf16 kernels).
+- The loop runs in ``torch.inference_mode`` (less bookkeeping per operation than ``no_grad``) unless
+  the model is ZeRO-3 partitioned, whose hooks gather weights inside the forward: tensors made in
+  inference mode must not become parameters the training step updates.
 - Llama-architecture models on the CPU decode through :func:`~rlhfkit.rollout.fast_decode.llama_decoder`
   after the prefill: the model's own layers and the same logits, without transformers' per-call
   machinery around them.
@@ -32,10 +34,11 @@ from typing import Any, Iterator
 import torch
 
 from rlhfkit.models import cpu_bf16
-from rlhfkit.models.gathered import hf_model_of
+from rlhfkit.models.gathered import hf_model_of, is_zero3_partitioned
 from rlhfkit.models.attention import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
 from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBatch, postprocess
 from rlhfkit.rollout.fast_decode import llama_decoder
+from rlhfkit.rollout.packing import packed_linears
 
 
 def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationConfig, device: torch.device,
@@ -92,64 +95,6 @@ def sample_from_probs(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _pack_dtype() -> torch.dtype | None:
-    """The dtype decode-step weights are packed in: bf16 where oneDNN multiplies bf16; fp32 where bf16
-    linears take their products in fp32 (:mod:`rlhfkit.models.cpu_bf16`); None without the ops."""
-    ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and all(hasattr(ops, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))):
-        return None
-    if cpu_bf16.wanted():
-        return torch.float32
-    return torch.bfloat16 if cpu_bf16.native_bf16_matmul() else None
-
-
-@contextlib.contextmanager
-def packed_linears(module: torch.nn.Module, rows: int):
-    """Within the block (inference only), every ``nn.Linear`` of ``module`` with a bf16 weight on the
-    CPU computes inputs of at most ``rows`` rows (a decode step) from a copy of its weight reordered
-    for oneDNN; larger inputs (a prefill) keep the layer's own forward.
-
-    ``F.linear`` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout at every call:
-    at a decode step's few rows that is much of the cost (bench/sampling.py). At decode sizes the packed op returns ``F.linear``'s bits
-    (tested; at hundreds of rows it can round differently, hence the prefill's plain path). The
-    copies cost one model's bf16 weights in memory while the block runs; the layers' own
-    ``forward`` is restored on exit. Other dtypes, devices and layers are left alone.
-
-    On a CPU without bf16 kernels the copies are fp32 (twice the memory) and the products fp32, as
-    everywhere there (:mod:`rlhfkit.models.cpu_bf16`): converting each weight at every token would
-    take longer than the products.
-    """
-    dtype = _pack_dtype()
-    layers = [m for m in module.modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16
-              and m.weight.device.type == "cpu" and m.weight.dim() == 2 and m.weight.numel() > 0]
-    if not layers or dtype is None:
-        yield
-        return
-    own = {m: m.__dict__["forward"] for m in layers if "forward" in m.__dict__}
-
-    def packed(layer: torch.nn.Linear):
-        weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().to(dtype), rows)
-        bias = None if layer.bias is None else layer.bias.detach().to(dtype)
-        fallback = own.get(layer) or (lambda x: torch.nn.functional.linear(x, layer.weight, layer.bias))
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.numel() > rows * x.shape[-1]:  # a prefill: there oneDNN may block the sums differently
-                return fallback(x)
-            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), weight, bias, "none", [], "").to(x.dtype)
-        return forward
-
-    try:
-        for m in layers:
-            m.forward = packed(m)
-        yield
-    finally:
-        for m in layers:
-            if m in own:
-                m.forward = own[m]
-            else:
-                m.__dict__.pop("forward", None)
-
-
 def warpers(temperature: float, top_k: int, top_p: float) -> list:
     """transformers' sampling warpers for these settings, in ``generate``'s order (none when neutral)."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -180,7 +125,6 @@ def _new_cache(hf_model: torch.nn.Module) -> Any:
         return DynamicCache()
 
 
-@torch.no_grad()
 def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
            gen: GenerationConfig) -> torch.Tensor:
     """Generate with ``gen`` after left-padded prompts ``input_ids`` [B, P] -> the new tokens [B, G],
@@ -189,9 +133,12 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
 
     ``module`` is called (a plain or peft model); ``hf_model`` is the transformers model under it.
     Positions skip the left padding as in ``generate``. bf16 CPU layers run packed (:func:`packed_linears`).
+    In inference mode unless ``module`` is ZeRO-3 partitioned; the tokens returned are ordinary tensors.
     """
-    with packed_linears(module, input_ids.shape[0]):
-        return _decode(module, hf_model, input_ids, attention_mask, gen)
+    grad_off = torch.no_grad() if is_zero3_partitioned(module) else torch.inference_mode()
+    with grad_off, packed_linears(module, input_ids.shape[0]):
+        new = _decode(module, hf_model, input_ids, attention_mask, gen)
+    return new.clone()
 
 
 def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The hf backend's sampler (rlhfkit.rollout.sampling): the distribution it draws from."""
+"""The hf backend's sampler (rlhfkit.rollout.sampling): the distribution it draws from; its packed linears."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
 from rlhfkit.models.cpu_bf16 import ENV, fp32_products
-from rlhfkit.rollout.sampling import _pack_dtype, packed_linears, sample_from_probs, warpers
+from rlhfkit.rollout.packing import fused_linear, pack_dtype, packed_linears
+from rlhfkit.rollout.sampling import decode, sample_from_probs, warpers
 
-needs_onednn_bf16 = pytest.mark.skipif(_pack_dtype() is not torch.bfloat16,
+needs_onednn_bf16 = pytest.mark.skipif(pack_dtype() is not torch.bfloat16,
                                        reason="oneDNN does not run bf16 on this CPU: packed_linears packs fp32 copies")
 
 
@@ -89,7 +90,7 @@ def test_without_bf16_kernels_decode_steps_multiply_packed_fp32_copies(monkeypat
     copies of the bf16 weights: decode-size inputs give the fp32 product rounded to bf16 (up to the
     order of oneDNN's sums), prefill-size inputs the layer's own fp32-product forward."""
     monkeypatch.setenv(ENV, "fp32")
-    assert _pack_dtype() is torch.float32
+    assert pack_dtype() is torch.float32
     torch.manual_seed(0)
     layer = torch.nn.Linear(576, 1536).to(torch.bfloat16)
     fp32_products(layer)
@@ -122,10 +123,84 @@ def test_bf16_decode_with_packed_layers_gives_generate_s_greedy_tokens():
     real = torch.ops.mkldnn._linear_pointwise
     with mock.patch.object(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a)):
         got = make_rollout_engine("hf", model).generate(PromptBatch(ids, mask), gen)
-    assert len(calls) == 11 * (2 * 7 + 1) + 1  # 11 decode steps x (2 layers x 7 projections + lm_head), the prefill's lm_head
+    # 11 decode steps x (2 layers x 4 products + lm_head), the prefill's lm_head: the fast decoder computes q, k, v in
+    # one product and gate, up in another
+    assert len(calls) == 11 * (2 * 4 + 1) + 1
     model.generation_config = type(model.generation_config)()
     with torch.no_grad():
         want = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[999],
                               pad_token_id=0)[:, 6:]
     assert torch.equal(got.response_ids, want)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def _linears(*shapes, bias=True, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return [torch.nn.Linear(i, o, bias=bias).to(dtype) for i, o in shapes]
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_linear_returns_the_bits_of_the_separate_products(bias):
+    """q, k, v (SmolLM2's shapes) in one packed product: its columns are each layer's F.linear, bit for bit."""
+    layers = _linears((576, 576), (576, 192), (576, 192), bias=bias)
+    with torch.no_grad():
+        fused = fused_linear(layers, rows=4)
+        for shape in [(1, 576), (4, 1, 576), (3, 576)]:
+            x = torch.randn(*shape, dtype=torch.bfloat16)
+            want = torch.cat([torch.nn.functional.linear(x, m.weight, m.bias) for m in layers], dim=-1)
+            assert torch.equal(fused(x), want), shape
+
+
+def test_fused_linear_with_fp32_products_equals_the_separate_packed_products(monkeypatch):
+    monkeypatch.setenv(ENV, "fp32")
+    layers = _linears((576, 1536), (576, 1536))
+    x = torch.randn(4, 1, 576, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = fused_linear(layers, rows=4)(x)
+        want = torch.cat([fused_linear([m], rows=4)(x) for m in layers], dim=-1)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_fused_linear_refuses_layers_it_cannot_pack_as_one():
+    class Adapter(torch.nn.Linear):  # a LoRA layer is not a plain Linear: its forward adds the adapter
+        pass
+
+    shard = _linears((8, 8))[0]
+    shard.weight.data = torch.empty(0, dtype=torch.bfloat16)  # a ZeRO-3 partitioned weight
+    cases = {"mixed bias": _linears((8, 8)) + _linears((8, 4), bias=False), "fp32": _linears((8, 8), dtype=torch.float32),
+             "adapter": [Adapter(8, 8).to(torch.bfloat16)], "different inputs": _linears((8, 8), (4, 8)), "shard": [shard]}
+    for name, layers in cases.items():
+        assert fused_linear(layers, rows=4) is None, name
+
+
+@needs_onednn_bf16
+def test_packed_linears_packs_a_layer_only_at_its_first_decode_size_call():
+    """A layer whose decode-size products the fast decoder takes from a fused copy is never copied again."""
+    layers = torch.nn.ModuleList(_linears((64, 64), (64, 64)))
+    reorders = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+    with mock.patch.object(torch.ops.mkldnn, "_reorder_linear_weight", lambda *a: reorders.append(a[0].shape) or real(*a)):
+        with torch.no_grad(), packed_linears(layers, rows=2):
+            assert reorders == []
+            layers[0](torch.randn(5, 64, dtype=torch.bfloat16))  # a prefill: the layer's own forward
+            for _ in range(3):
+                layers[0](torch.randn(2, 64, dtype=torch.bfloat16))
+    assert reorders == [torch.Size([64, 64])]
+
+
+def test_generated_tokens_are_ordinary_tensors_a_training_step_can_use():
+    """The loop runs in inference mode; its tokens must not be inference tensors, or the training
+    forward that embeds them fails ("Inference tensors cannot be saved for backward")."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(3, 100, (2, 5))
+    gen = GenerationConfig(max_new_tokens=4, do_sample=True, eos_token_id=[99], pad_token_id=0)
+    new = decode(model, model, ids, torch.ones_like(ids), gen)
+    out = make_rollout_engine("hf", model).generate(PromptBatch(ids, torch.ones_like(ids)), gen)
+    assert not any(t.is_inference() for t in (new, out.response_ids, out.sequences))
+    model.train()
+    model(input_ids=new, labels=new).loss.backward()
+    assert model.model.embed_tokens.weight.grad is not None
