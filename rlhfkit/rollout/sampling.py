@@ -33,7 +33,6 @@ from typing import Any, Iterator
 
 import torch
 
-from rlhfkit.models import cpu_bf16
 from rlhfkit.models.gathered import hf_model_of, is_zero3_partitioned
 from rlhfkit.models.attention import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
 from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBatch, postprocess
