@@ -204,3 +204,23 @@ def test_generated_tokens_are_ordinary_tensors_a_training_step_can_use():
     model.train()
     model(input_ids=new, labels=new).loss.backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+def test_a_zero3_partitioned_model_decodes_outside_inference_mode():
+    """ZeRO-3's hooks gather parameters inside the forward: there the loop keeps no_grad, so that no
+    gathered parameter becomes an inference tensor the training step then updates."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    seen = []
+    model.lm_head.register_forward_hook(lambda *_: seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled())))
+    ids = torch.randint(3, 100, (2, 5))
+    gen = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=[99], pad_token_id=0)
+    decode(model, model, ids, torch.ones_like(ids), gen)
+    assert seen and set(seen) == {(True, False)}
+    for p in model.parameters():
+        p.ds_id = 0  # what is_zero3_partitioned looks for
+    seen.clear()
+    decode(model, model, ids, torch.ones_like(ids), gen)
+    assert seen and set(seen) == {(False, False)}
