@@ -53,9 +53,8 @@ def fused_linear(layers: Sequence[torch.nn.Module], rows: int) -> Optional[Calla
     last dimension), for inputs of at most ``rows`` rows; None unless every layer is :func:`packable`
     with the same input size and either all or none have a bias, and this CPU packs."""
     dtype = pack_dtype()
-    if dtype is None or not all(map(packable, layers)) or len({m.in_features for m in layers}) != 1:
-        return None
-    if len({m.bias is None for m in layers}) != 1:
+    if (dtype is None or not all(map(packable, layers)) or len({m.in_features for m in layers}) != 1
+            or len({m.bias is None for m in layers}) != 1):
         return None
     with torch.no_grad():
         weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.to(dtype) for m in layers]), rows)

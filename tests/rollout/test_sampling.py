@@ -189,13 +189,16 @@ def test_packed_linears_packs_a_layer_only_at_its_first_decode_size_call():
     assert reorders == [torch.Size([64, 64])]
 
 
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, eos_token_id=None, pad_token_id=0))
+
+
 def test_generated_tokens_are_ordinary_tensors_a_training_step_can_use():
     """The loop runs in inference mode; its tokens must not be inference tensors, or the training
     forward that embeds them fails ("Inference tensors cannot be saved for backward")."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
+    model = _tiny_llama()
     ids = torch.randint(3, 100, (2, 5))
     gen = GenerationConfig(max_new_tokens=4, do_sample=True, eos_token_id=[99], pad_token_id=0)
     new = decode(model, model, ids, torch.ones_like(ids), gen)
@@ -209,10 +212,7 @@ def test_generated_tokens_are_ordinary_tensors_a_training_step_can_use():
 def test_a_zero3_partitioned_model_decodes_outside_inference_mode():
     """ZeRO-3's hooks gather parameters inside the forward: there the loop keeps no_grad, so that no
     gathered parameter becomes an inference tensor the training step then updates."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, eos_token_id=None, pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = _tiny_llama().eval()
     seen = []
     model.lm_head.register_forward_hook(lambda *_: seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled())))
     ids = torch.randint(3, 100, (2, 5))
