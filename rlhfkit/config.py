@@ -93,6 +93,8 @@ ZERO3_BLOCK_LEAVES_HELP = ("Under ZeRO-3, gather, release and reduce each transf
 class RuntimeArgs:
     offload: bool = arg(False, "Offload optimizer state (and parameters under ZeRO-3) to CPU memory.")
     zero3_block_leaves: bool = arg(True, ZERO3_BLOCK_LEAVES_HELP)
+    compile_blocks: bool = arg(False, "torch.compile each transformer block's forward for training passes (dynamic shapes; "
+                               "evaluation and generation stay eager). Costs a compile of some seconds at the first step.")
     dtype: str = arg("bf16", "Training dtype: bf16, fp16 or fp32.")
     local_rank: int = arg(-1, "Set by the deepspeed launcher; do not pass by hand.")
     dist_timeout_s: int = arg(600, "Timeout of collective operations in seconds: a dead rank ends the job instead of hanging it.")

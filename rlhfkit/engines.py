@@ -33,10 +33,9 @@ def zero3_block_leaves(model: torch.nn.Module) -> list[type]:
     Returns the classes made leaves (none for a model without the list)."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    names = set()
-    for m in model.modules():  # peft and DeepSpeed wrappers: the list sits on the transformers model
-        names.update(getattr(m, "_no_split_modules", None) or [])
-    classes = list({type(m) for m in model.modules() if type(m).__name__ in names})
+    from rlhfkit.models.compiled import block_classes
+
+    classes = block_classes(model)
     if classes:
         set_z3_leaf_modules(model, classes)
     return classes
@@ -45,9 +44,11 @@ def zero3_block_leaves(model: torch.nn.Module) -> list[type]:
 def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dtype: str, offload: bool,
                  learning_rate: float, weight_decay: float, betas: tuple[float, float], gradient_clipping: float,
                  lr_scheduler_type: str, num_warmup_steps: int, total_steps: int,
-                 lora_learning_rate: Optional[float] = None, hybrid_engine: Optional[dict] = None, block_leaves: bool = True):
+                 lora_learning_rate: Optional[float] = None, hybrid_engine: Optional[dict] = None, block_leaves: bool = True,
+                 compile_blocks: bool = False):
     """Wrap a model in a DeepSpeed training engine with AdamW and a warm-up schedule (under ZeRO-3 with
-    ``block_leaves``, each transformer block gathered as one unit: :func:`zero3_block_leaves`)."""
+    ``block_leaves``, each transformer block gathered as one unit: :func:`zero3_block_leaves`; with
+    ``compile_blocks``, each block's training forward compiled: :mod:`rlhfkit.models.compiled`)."""
     import deepspeed
     from transformers import get_scheduler
 
@@ -76,6 +77,12 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         # One data-parallel rank: nothing to average, yet DeepSpeed would flatten, "all-reduce" and copy
         # back every gradient after each backward. Same bits without.
         engine.enable_backward_allreduce = False
+    if compile_blocks:
+        from rlhfkit.models.compiled import compile_blocks as compile_training_forwards
+
+        n = compile_training_forwards(engine.module)
+        dist.print_rank0(f"--compile_blocks: {n} transformer blocks run a compiled forward when training" if n else
+                         "--compile_blocks: the model lists no transformer block classes; nothing compiled")
     return engine
 
 
@@ -126,4 +133,4 @@ def trainable_engine(cfg: Any, kind: str, *, plan: BatchPlan, total_steps: int, 
                         num_warmup_steps=cfg.num_warmup_steps, total_steps=total_steps, lora_learning_rate=cfg.lora_learning_rate,
                         # DeepSpeed's leaf path does not gather a block for its backward pass when the block's input
                         # needs no gradient, as the lowest trained block's does above frozen ones
-                        block_leaves=cfg.zero3_block_leaves and not top_only)
+                        block_leaves=cfg.zero3_block_leaves and not top_only, compile_blocks=cfg.compile_blocks)

@@ -46,7 +46,7 @@ def load_trained(path: str, kind: str, role: str, cfg: Any, *, total_updates: in
                         weight_decay=getattr(cfg, f"{role}_weight_decay"), betas=(cfg.adam_beta1, cfg.adam_beta2),
                         gradient_clipping=cfg.gradient_clipping, lr_scheduler_type=cfg.lr_scheduler_type,
                         num_warmup_steps=cfg.num_warmup_steps, total_steps=total_updates, hybrid_engine=hybrid_engine,
-                        block_leaves=cfg.zero3_block_leaves)
+                        block_leaves=cfg.zero3_block_leaves, compile_blocks=cfg.compile_blocks)
 
 
 def load_frozen(path: str, kind: str, cfg: Any, *, zero_stage: int, offload: bool, pad_id: int):
