@@ -59,4 +59,5 @@ STEP3_UNSET = {
     "scale_rewards": "none: the algorithm's own", "kl_placement": "none: the algorithm's own",
     "loss_norm_constant": "none: --max_answer_seq_len", "normalize_reward_fns": "false",
     "empty_reward": "min: it changes only empty answers, and the benches force every answer to full length",
+    "compile_blocks": "false: eager blocks; bench/step3.py's hf-compiled variant turns it on where a tree has it",
 }

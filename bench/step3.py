@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from pinned_flags import STEP3, STEP3_UNSET
 from workloads import exact_length_prompts
 from revisions import (
-    REPO, current_tree, pin_report, pinned_args, print_against, program_options, revision_tree, run_program, side_order,
+    REPO, current_tree, flag_value, pin_report, pinned_args, print_against, program_options, revision_tree, run_program, side_order,
     summarize, tree_env,
 )
 
@@ -48,7 +48,11 @@ VARIANTS = {  # name -> flags over the bench's own
     "hf-synced": {"rollout_backend": "hf-synced"},
     "hf-engine-experience": {"rollout_backend": "hf", "experience_on_copies": False},
     "hf-no-block-leaves": {"rollout_backend": "hf", "zero3_block_leaves": False},
+    "hf-compiled": {"rollout_backend": "hf"},
 }
+# Flags of a variant passed only to a tree that has them (newer than the base revisions): a revision without
+# the flag runs its own code, eager, in that variant's slot.
+NEWER_FLAGS = {"hf-compiled": {"compile_blocks": True}}
 
 
 def bench_flags(args, variant: str) -> dict:
@@ -58,9 +62,11 @@ def bench_flags(args, variant: str) -> dict:
             "per_device_training_batch_size": 2, "eval_fraction": 0.01, "max_eval_samples": 1, **VARIANTS[variant]}
 
 
-def run(tree, name: str, args, out: str, options: list[dict]) -> dict:
+def run(tree, name: str, args, out: str, options: dict[str, dict]) -> dict:
     """One step-3 run of ``tree``'s code -> its figures (means over the timed steps)."""
-    pinned, _ = pinned_args(bench_flags(args, name), *options)
+    pinned, _ = pinned_args(bench_flags(args, name), *options.values())
+    pinned += [a for dest, value in NEWER_FLAGS.get(name, {}).items() if dest in options[tree.name]
+               for a in (f"--{dest}", *flag_value(value))]
     argv = [*pinned, "--actor_model_name_or_path", args.actor, "--critic_model_name_or_path", args.critic,
             "--data_path", args.data, "--output_dir", out, "--max_steps", str(args.steps)]
     run_program(tree, SCRIPT, argv, nprocs=2, env=tree_env(tree, threads=max(1, (os.cpu_count() or 2) // 2)))
@@ -104,7 +110,8 @@ def main() -> None:
     ap.add_argument("--backends", default="hf,hf-synced",
                     help=f"comma-separated runs, each one of: {', '.join(VARIANTS)} (hf-engine-experience: step 3's "
                          "experience passes through the ZeRO-3 engines instead of gathered copies; hf-no-block-leaves: ZeRO-3 "
-                         "hooks every linear layer, not each transformer block)")
+                         "hooks every linear layer, not each transformer block; hf-compiled: --compile_blocks true where "
+                         "the tree has the flag)")
     ap.add_argument("--against", metavar="REV", help="also run this git revision's code (a worktree under .cache/against), "
                                                      "alternating with the current code")
     ap.add_argument("--current", metavar="DIR", help="the checkout that runs as 'current' (default: this one)")
@@ -126,7 +133,7 @@ def main() -> None:
         for rnd in range(rounds):
             for name in names:
                 for tree in side_order(trees, rnd):
-                    got = run(tree, name, args, os.path.join(work, f"{tree.name}-{name}-{rnd}"), list(options.values()))
+                    got = run(tree, name, args, os.path.join(work, f"{tree.name}-{name}-{rnd}"), options)
                     runs.append({"round": rnd, "config": name, "side": tree.name, **got})
                     print(f"round {rnd + 1} {name} [{tree.name}]: {got['step_s']:.2f} s/step", flush=True)
     pinned, dropped = pinned_args(bench_flags(args, names[0]), *options.values())

@@ -12,6 +12,8 @@ sequences of a pair in separate rows, and DeepSpeed-Chat's step-2 recipe, 2 pair
 --stage dpo: step2_dpo the same two ways (DeepSpeed-Chat has no DPO), then packed with the reference's
 forwards on a kept gathered copy and through the ZeRO-3 engine (the default runs them on a copy
 gathered per forward).
+Each stage also runs rlhfkit with --compile_blocks (each transformer block's training forward compiled):
+step 1 on both layouts, steps 2 and DPO packed on 2 ranks ZeRO-3.
 
 Runs the programs for real (bf16, --max_seq_len 256, hh-rlhf pairs) and reads their metrics logs;
 the first optimiser step (warm-up) is left out of the steady-state figures. Prints a table and
@@ -32,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HH = REPO / ".." / "shared" / "data" / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"
+COMPILED = ("--compile_blocks", "true")  # each transformer block's training forward compiled
 
 
 def matmul_peak(dtype_name: str, threads: int, n: int = 1024, seconds: float = 3.0) -> float:
@@ -126,15 +129,18 @@ def main() -> None:
             runs = [run_rlhfkit("sft", args.model, 1, 0, batch, *common, work),
                     run_rlhfkit("sft", args.model, 2, 3, batch // 2, *common, work),
                     run_dschat("sft", args.model, batch // 2, *common, work)]
+            runs[2:2] = [run_rlhfkit("sft", args.model, ranks, zero, batch // ranks, *common, work, extra=COMPILED)
+                         for ranks, zero in ((1, 0), (2, 3))]
         else:
             batch = args.global_batch or 4
             runs = [run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work),
                     run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false"))]
+            runs.append(run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=COMPILED))
             if args.stage == "reward":
                 runs.append(run_dschat("reward", args.model, batch // 2, *common, work))
             else:  # the reference's forwards on its gathered copy (default), kept, and through the engine
-                runs += [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
-                         for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
+                runs[2:2] = [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
+                             for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
     for r in runs:
         achieved = r["tokens_per_s"] * flop_per_token / 1e9
         r["model_gflops"] = achieved
@@ -155,7 +161,12 @@ def main() -> None:
     if args.stage == "sft":
         summary["zero3_over_zero0"] = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
         print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {summary['zero3_over_zero0']:.2f}")
+        summary["compiled_over_eager"] = [runs[2]["tokens_per_s"] / runs[0]["tokens_per_s"],
+                                          runs[3]["tokens_per_s"] / runs[1]["tokens_per_s"]]
+        print("--compile_blocks / eager tokens/s: {:.2f} (1 rank ZeRO-0), {:.2f} (2 ranks ZeRO-3)".format(*summary["compiled_over_eager"]))
     else:
+        summary["compiled_over_eager"] = runs[-2 if args.stage == "reward" else -1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+        print(f"--compile_blocks / eager tokens/s, packed, 2 ranks ZeRO-3: {summary['compiled_over_eager']:.2f}")
         summary["packed_over_apart"] = runs[0][key] / runs[1][key]
         print(f"packed pairs / pairs in separate rows, pairs/s: {summary['packed_over_apart']:.2f}")
     if args.stage == "dpo":
@@ -164,7 +175,7 @@ def main() -> None:
         print(f"reference on a gathered copy / through the ZeRO-3 engine, {unit}: {summary['copy_over_engine']:.2f} "
               f"(kept copy: {summary['kept_copy_over_engine']:.2f})")
     else:
-        summary["rlhfkit_over_dschat"] = runs[-2 if args.stage == "sft" else 0][key] / runs[-1][key]
+        summary["rlhfkit_over_dschat"] = runs[1 if args.stage == "sft" else 0][key] / runs[-1][key]
         print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
     print("(tokens/s count every real token a recipe computes: separate rows count a pair's prompt twice, packed pairs once)")
     if args.stage != "dpo":
