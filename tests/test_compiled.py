@@ -22,7 +22,7 @@ def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}  # KeyError / None: a weight got no gradient
 
 
 def test_compiled_blocks_train_like_the_eager_ones():
@@ -40,6 +40,24 @@ def test_compiled_blocks_train_like_the_eager_ones():
         for name in g0:
             assert g0[name].abs().max() > 0, name  # every block gets a gradient of its own
             torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_blocks_keep_the_fp32_products_of_cpus_without_bf16_kernels(monkeypatch):
+    """Where oneDNN has no bf16 kernels, bf16 linears take fp32 products (a custom autograd Function,
+    rlhfkit.models.cpu_bf16); compiled, every weight still gets its gradient, as eager's up to bf16 rounding."""
+    from rlhfkit.models.cpu_bf16 import fp32_products
+
+    monkeypatch.setenv("RLHFKIT_CPU_BF16_MATMUL", "fp32")
+    eager, compiled = _tiny_llama(torch.bfloat16), _tiny_llama(torch.bfloat16)
+    assert fp32_products(eager) == fp32_products(compiled) > 0  # each model its own (the forwards hold their layer)
+    compile_blocks(compiled)
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
+    (l0, g0), (l1, g1) = _loss_and_grads(eager, ids), _loss_and_grads(compiled, ids)
+    torch.testing.assert_close(l1, l0, rtol=1e-3, atol=1e-3)
+    for name in g0:
+        scale = g0[name].float().abs().max()
+        assert scale > 0, name
+        assert (g1[name].float() - g0[name].float()).abs().max() <= 0.05 * scale, name
 
 
 def test_passes_without_gradients_run_the_eager_forward_bit_for_bit():

@@ -23,7 +23,6 @@ takes such inputs in fp32 and rounds the output to bf16 once; elsewhere it is tr
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Optional
 
@@ -35,13 +34,18 @@ from transformers.modeling_utils import AttentionInterface
 ENV = "RLHFKIT_CPU_BF16_MATMUL"
 
 
-@functools.cache
+_NATIVE_BF16: list[bool] = []  # the answer, once asked (a plain list, not functools.cache: torch.compile
+# traces into a compiled block's attention call, --compile_blocks, and warns at a cache wrapper)
+
+
 def native_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 matrices with oneDNN's kernels (a fact of the machine: asked once;
     :func:`wanted` runs at every attention call)."""
-    ops = torch.ops.mkldnn
-    return bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_is_mkldnn_bf16_supported")
-                and ops._is_mkldnn_bf16_supported())
+    if not _NATIVE_BF16:
+        ops = torch.ops.mkldnn
+        _NATIVE_BF16.append(bool(torch.backends.mkldnn.is_available() and hasattr(ops, "_is_mkldnn_bf16_supported")
+                                 and ops._is_mkldnn_bf16_supported()))
+    return _NATIVE_BF16[0]
 
 
 def wanted() -> bool:
