@@ -128,21 +128,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         if args.stage == "sft":
             batch = args.global_batch or 8
-            runs = [run_rlhfkit("sft", args.model, 1, 0, batch, *common, work),
-                    run_rlhfkit("sft", args.model, 2, 3, batch // 2, *common, work),
-                    run_dschat("sft", args.model, batch // 2, *common, work)]
-            runs[2:2] = [run_rlhfkit("sft", args.model, ranks, zero, batch // ranks, *common, work, extra=COMPILED)
-                         for ranks, zero in ((1, 0), (2, 3))]
+            # rows: 1 rank ZeRO-0, 2 ranks ZeRO-3, the same two compiled, DeepSpeed-Chat's recipe
+            runs = [run_rlhfkit("sft", args.model, ranks, zero, batch // ranks, *common, work, extra=extra)
+                    for extra in ((), COMPILED) for ranks, zero in ((1, 0), (2, 3))]
+            runs.append(run_dschat("sft", args.model, batch // 2, *common, work))
         else:
             batch = args.global_batch or 4
             runs = [run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work),
                     run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false"))]
+            if args.stage == "dpo":  # the reference's forwards on its gathered copy (default), kept, and through the engine
+                runs += [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
+                         for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
             runs.append(run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=COMPILED))
             if args.stage == "reward":
                 runs.append(run_dschat("reward", args.model, batch // 2, *common, work))
-            else:  # the reference's forwards on its gathered copy (default), kept, and through the engine
-                runs[2:2] = [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
-                             for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
     after = {"bf16": matmul_peak(bf16_products, threads), "fp32": matmul_peak("float32", threads)}
     peaks = {k: max(before[k], after[k]) for k in before}
     for r in runs:

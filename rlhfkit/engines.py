@@ -78,9 +78,9 @@ def build_engine(model: torch.nn.Module, *, plan: BatchPlan, zero_stage: int, dt
         # back every gradient after each backward. Same bits without.
         engine.enable_backward_allreduce = False
     if compile_blocks:
-        from rlhfkit.models.compiled import compile_blocks as compile_training_forwards
+        from rlhfkit.models import compiled
 
-        n = compile_training_forwards(engine.module)
+        n = compiled.compile_blocks(engine.module)
         dist.print_rank0(f"--compile_blocks: {n} transformer blocks run a compiled forward when training" if n else
                          "--compile_blocks: the model lists no transformer block classes; nothing compiled")
     return engine

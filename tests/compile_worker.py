@@ -11,6 +11,7 @@ import json
 import torch
 
 from rlhfkit.engines import batch_plan, build_engine
+from rlhfkit.models.compiled import TrainingCompiled
 
 
 def train(engine, batches) -> tuple[list[float], list[torch.Tensor]]:
@@ -51,8 +52,6 @@ def main() -> None:
                               learning_rate=1e-3, weight_decay=0.0, betas=(0.9, 0.95), gradient_clipping=1.0,
                               lr_scheduler_type="constant", num_warmup_steps=0, total_steps=2, compile_blocks=compiled)
         if compiled:
-            from rlhfkit.models.compiled import TrainingCompiled
-
             out["compiled_blocks"] = sum(isinstance(m.__dict__.get("forward"), TrainingCompiled) for m in engine.module.modules())
         out["losses"][name], grads[name] = train(engine, batches)
     pairs = list(zip(grads["eager"], grads["compiled"]))

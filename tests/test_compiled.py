@@ -6,16 +6,12 @@ import copy
 import json
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from rlhfkit.models.compiled import TrainingCompiled, compile_blocks
-from testutils import run_program
+from testutils import run_program, tiny_llama
 
 
-def _tiny_llama(dtype=torch.float32) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)).to(dtype)
+def _tiny_llama(dtype=torch.float32):
+    return tiny_llama(dtype, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 
 
 def _loss_and_grads(model, ids):

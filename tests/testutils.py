@@ -129,3 +129,16 @@ def end_ranks(procs: list[subprocess.Popen], grace: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def tiny_llama(dtype=None, **config):
+    """A small random Llama built in memory (seed 0): vocabulary 100, hidden 32, one layer of 2 heads
+    and 1 key/value head, pad 0, unless ``config`` says otherwise; in ``dtype`` when given."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, pad_token_id=0)
+    model = LlamaForCausalLM(LlamaConfig(**{**base, **config}))
+    return model if dtype is None else model.to(dtype)

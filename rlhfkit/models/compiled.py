@@ -43,7 +43,9 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """Give each transformer block of ``model`` a :class:`TrainingCompiled` forward -> how many blocks
     (0 when the model lists no block classes: nothing changes). Idempotent."""
     classes = tuple(block_classes(model))
-    blocks = [m for m in model.modules() if classes and isinstance(m, classes)]
+    if not classes:
+        return 0
+    blocks = [m for m in model.modules() if isinstance(m, classes)]
     for block in blocks:
         if not isinstance(block.forward, TrainingCompiled):
             block.forward = TrainingCompiled(block.forward)

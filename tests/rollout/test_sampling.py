@@ -12,6 +12,7 @@ from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
 from rlhfkit.models.cpu_bf16 import ENV, fp32_products
 from rlhfkit.rollout.packing import fused_linear, pack_dtype, packed_linears
 from rlhfkit.rollout.sampling import decode, sample_from_probs, warpers
+from testutils import tiny_llama
 
 needs_onednn_bf16 = pytest.mark.skipif(pack_dtype() is not torch.bfloat16,
                                        reason="oneDNN does not run bf16 on this CPU: packed_linears packs fp32 copies")
@@ -190,9 +191,7 @@ def test_packed_linears_packs_a_layer_only_at_its_first_decode_size_call():
 
 
 def _tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, eos_token_id=None, pad_token_id=0))
+    return tiny_llama(eos_token_id=None)
 
 
 def test_generated_tokens_are_ordinary_tensors_a_training_step_can_use():
