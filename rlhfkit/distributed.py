@@ -68,10 +68,19 @@ def init(timeout_s: int = 600) -> torch.device:
     if not is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(remove_shm_buffers)
+        # every rank has mapped every other's shared-memory buffer before any rank can exit and remove its own
+        # (DeepSpeed's init waits for the files without a timeout: a peer gone early would hang it for good)
+        dist.barrier()
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
+
+
+def collective_failure_line(kind: str, detail: str) -> str:
+    """The one line a rank prints when a collective failed because a peer rank died or hung."""
+    return (f"error: rank {rank()} of {world_size()}: a collective operation failed, so another rank died, was killed or "
+            f"stopped answering (timeout --dist_timeout_s); stopping. ({kind}: {detail})")
 
 
 def shm_buffer_glob(port: str | int | None = None, rank: str | int = "*") -> str:
