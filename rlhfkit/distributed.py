@@ -71,6 +71,11 @@ def init(timeout_s: int = 600) -> torch.device:
         # every rank has mapped every other's shared-memory buffer before any rank can exit and remove its own
         # (DeepSpeed's init waits for the files without a timeout: a peer gone early would hang it for good)
         dist.barrier()
+        from rlhfkit import shm_collectives
+
+        if shm_collectives.install(timeout_s) is not None:
+            print_rank0("collectives: ZeRO's all-gather and reduce-scatter go through DeepSpeed's shared-memory "
+                        "all-reduce (one host; RLHFKIT_SHM_COLLECTIVES=0: gloo)")
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
