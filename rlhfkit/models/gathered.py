@@ -347,13 +347,14 @@ def _gather_direct(params: list[torch.nn.Parameter], device: torch.device) -> di
     equal slice (``ds_tensor``); an all-gather of the slices, cut to ``ds_numel``, is the parameter.
     The actor's parameters are only read: their ZeRO status is never changed.
     """
-    dist = torch.distributed
+    from deepspeed import comm  # ZeRO's own all-gather: shared memory on one CPU host (rlhfkit.shm_collectives)
+
     unique = sorted({id(p): p for p in params if hasattr(p, "ds_id")}.values(), key=lambda p: p.ds_id)
     pending = []
     for p in unique:
         shard = p.ds_tensor.data.to(device).view(-1)
-        out = torch.empty(shard.numel() * dist.get_world_size(p.ds_process_group), dtype=shard.dtype, device=device)
-        pending.append((p, out, dist.all_gather_into_tensor(out, shard, group=p.ds_process_group, async_op=True)))
+        out = torch.empty(shard.numel() * comm.get_world_size(p.ds_process_group), dtype=shard.dtype, device=device)
+        pending.append((p, out, comm.all_gather_into_tensor(out, shard, group=p.ds_process_group, async_op=True)))
     full = {}
     for p, out, work in pending:
         work.wait()  # gloo handles are independent: wait on each
