@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 
+from rlhfkit import distributed  # noqa: E402
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine  # noqa: E402
 
 QUESTIONS = [
@@ -97,7 +98,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()[0]  # other work on the machine skews wall times: reported with the figures
-    deepspeed.init_distributed()
+    distributed.init()  # as the programs do: on one CPU host ZeRO's gathers go through shared memory
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     device = torch.device(get_accelerator().current_device_name())
     dtype = DTYPES[args.dtype]
