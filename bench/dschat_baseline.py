@@ -89,6 +89,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    # DeepSpeed-Chat joins with deepspeed.init_distributed: ZeRO's collectives through gloo, not rlhfkit's
+    # shared-memory ones (rlhfkit/shm_collectives.py)
+    os.environ["RLHFKIT_SHM_COLLECTIVES"] = "0"
     join_process_group(600)
     torch.manual_seed(1234)
     tok = load_tokenizer(args.model)
