@@ -10,6 +10,7 @@ import atexit
 import datetime
 import os
 import random
+import sys
 from typing import Any
 
 import numpy as np
@@ -73,13 +74,21 @@ def init(timeout_s: int = 600) -> torch.device:
         dist.barrier()
         from rlhfkit import shm_collectives
 
-        if shm_collectives.install(timeout_s) is not None:
+        if shm_collectives.install(timeout_s, on_stuck=_end_stuck_rank) is not None:
             print_rank0("collectives: ZeRO's all-gather and reduce-scatter go through DeepSpeed's shared-memory "
                         "all-reduce (one host; RLHFKIT_SHM_COLLECTIVES=0: gloo)")
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     return dev
+
+
+def _end_stuck_rank(why: str) -> None:
+    """The shared-memory collectives' watchdog: a collective that can no longer finish ends this rank as a
+    failed gloo collective does in ``program.run_main``."""
+    print(collective_failure_line("shared-memory all-reduce", why), file=sys.stderr, flush=True)
+    remove_shm_buffers()
+    os._exit(3)
 
 
 def collective_failure_line(kind: str, detail: str) -> str:

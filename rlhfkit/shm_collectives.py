@@ -28,7 +28,6 @@ the process (exit code 3, as the programs do for a failed gloo collective).
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -146,10 +145,11 @@ def shm_all_reduce(backend: Any) -> tuple[Callable[[torch.Tensor], Any] | None, 
     return op, int(getattr(backend, "shm_vector_kernel_level", 0))
 
 
-def install(timeout_s: float = 600.0) -> ShmCollectives | None:
+def install(timeout_s: float, on_stuck: Callable[[str], None]) -> ShmCollectives | None:
     """Route DeepSpeed's all-gather and reduce-scatter through shared memory where they can go, with a
-    watchdog (``timeout_s``: the collective timeout); the installed object (its ``calls`` count what took
-    which path), or None when nothing changed. Collective: every rank of the world calls it."""
+    watchdog (``timeout_s``: the collective timeout; ``on_stuck(why)`` ends the process); the installed
+    object (its ``calls`` count what took which path), or None when nothing changed. Collective: every
+    rank of the world calls it."""
     import deepspeed.comm.comm as ds_comm
 
     backend = ds_comm.cdb
@@ -168,7 +168,9 @@ def install(timeout_s: float = 600.0) -> ShmCollectives | None:
     backend.all_gather_function = _Bound(shm.all_gather_into_tensor, shm)
     backend.reduce_scatter_function = _Bound(shm.reduce_scatter_tensor, shm)
     pids = [pid for r, (pid, _) in enumerate(peers) if r != shm.rank]
-    threading.Thread(target=_watch, args=(shm, pids, timeout_s), name="rlhfkit-shm-watchdog", daemon=True).start()
+    watchdog = threading.Thread(target=_watch, args=(shm, pids, timeout_s, on_stuck), name="rlhfkit-shm-watchdog",
+                                daemon=True)
+    watchdog.start()
     return shm
 
 
@@ -181,10 +183,9 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _watch(shm: ShmCollectives, pids: list[int], timeout_s: float, period_s: float = 1.0) -> None:
-    """Once a ``period_s``: end this process when its running shm collective can no longer finish."""
-    from rlhfkit import distributed
-
+def _watch(shm: ShmCollectives, pids: list[int], timeout_s: float, on_stuck: Callable[[str], None],
+           period_s: float = 1.0) -> None:
+    """Once a ``period_s``: call ``on_stuck`` when this rank's running shm collective can no longer finish."""
     while True:
         time.sleep(period_s)
         since = shm.entered
@@ -193,10 +194,7 @@ def _watch(shm: ShmCollectives, pids: list[int], timeout_s: float, period_s: flo
             continue
         gone = [pid for pid in pids if _gone(pid)]
         if gone or waited > timeout_s:
-            detail = f"peer process {gone[0]} is gone" if gone else f"no answer for {waited:.0f} s"
-            print(distributed.collective_failure_line("shared-memory all-reduce", detail), file=sys.stderr, flush=True)
-            distributed.remove_shm_buffers()
-            os._exit(3)
+            on_stuck(f"peer process {gone[0]} is gone" if gone else f"no answer for {waited:.0f} s")
 
 
 class _Bound:
