@@ -69,9 +69,10 @@ def init(timeout_s: int = 600) -> torch.device:
     if not is_initialized():
         deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(remove_shm_buffers)
-        # every rank has mapped every other's shared-memory buffer before any rank can exit and remove its own
-        # (DeepSpeed's init waits for the files without a timeout: a peer gone early would hang it for good)
-        dist.barrier()
+        if dist.get_backend() == "gloo":  # DeepSpeed's CPU accelerator: its /dev/shm buffers, mapped at init
+            # every rank has mapped every other's buffer before any rank can exit and remove its own (DeepSpeed's
+            # init waits for the files without a timeout: a peer gone early would hang it for good)
+            dist.barrier()
         from rlhfkit import shm_collectives
 
         if shm_collectives.install(timeout_s, on_stuck=_end_stuck_rank) is not None:
