@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import random
 import sys
@@ -75,7 +76,8 @@ def init(timeout_s: int = 600) -> torch.device:
             dist.barrier()
         from rlhfkit import shm_collectives
 
-        if shm_collectives.install(timeout_s, on_stuck=_end_stuck_rank) is not None:
+        stuck = functools.partial(end_after_failed_collective, "shared-memory all-reduce")
+        if shm_collectives.install(timeout_s, on_stuck=stuck) is not None:
             print_rank0("collectives: ZeRO's all-gather and reduce-scatter go through DeepSpeed's shared-memory "
                         "all-reduce (one host; RLHFKIT_SHM_COLLECTIVES=0: gloo)")
     dev = device()
@@ -84,18 +86,14 @@ def init(timeout_s: int = 600) -> torch.device:
     return dev
 
 
-def _end_stuck_rank(why: str) -> None:
-    """The shared-memory collectives' watchdog: a collective that can no longer finish ends this rank as a
-    failed gloo collective does in ``program.run_main``."""
-    print(collective_failure_line("shared-memory all-reduce", why), file=sys.stderr, flush=True)
+def end_after_failed_collective(kind: str, detail: str) -> None:
+    """A collective failed because a peer rank died or hung: say so in one line, remove this rank's
+    shared-memory buffers and end the process with exit code 3 (``program.run_main`` for a gloo/NCCL
+    error, the shared-memory collectives' watchdog for a stuck one)."""
+    print(f"error: rank {rank()} of {world_size()}: a collective operation failed, so another rank died, was killed or "
+          f"stopped answering (timeout --dist_timeout_s); stopping. ({kind}: {detail})", file=sys.stderr, flush=True)
     remove_shm_buffers()
     os._exit(3)
-
-
-def collective_failure_line(kind: str, detail: str) -> str:
-    """The one line a rank prints when a collective failed because a peer rank died or hung."""
-    return (f"error: rank {rank()} of {world_size()}: a collective operation failed, so another rank died, was killed or "
-            f"stopped answering (timeout --dist_timeout_s); stopping. ({kind}: {detail})")
 
 
 def shm_buffer_glob(port: str | int | None = None, rank: str | int = "*") -> str:

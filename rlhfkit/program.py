@@ -32,9 +32,7 @@ def run_main(main: Callable[[], Any]) -> None:
         sys.exit(130)
     except Exception as e:  # a peer rank died or hung: say so in one line instead of a gloo/NCCL stack
         if dist.world_size() > 1 and _is_collective_failure(e):
-            print(dist.collective_failure_line(type(e).__name__, str(e).splitlines()[0][:200]), file=sys.stderr, flush=True)
-            dist.remove_shm_buffers()
-            os._exit(3)
+            dist.end_after_failed_collective(type(e).__name__, str(e).splitlines()[0][:200])
         raise
 
 

@@ -121,7 +121,7 @@ class ShmCollectives:
 
     def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self.scratch:
-            self.scratch[dtype] = torch.empty(SCRATCH_BYTES // torch.finfo(dtype).bits * 8, dtype=dtype)
+            self.scratch[dtype] = torch.empty(SCRATCH_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
         return self.scratch[dtype]
 
 
