@@ -1,7 +1,7 @@
 """``--fit_head_only``: the reward model's body stays frozen and its score head is fitted exactly.
 
-Every training pair goes through the model once; what the score head reads for each side (the final
-hidden state at the last real token) is kept, and the head is the L2-regularised Bradley-Terry fit on
+Every training pair goes through the model once (packed, as training packs it, by default: its prompt
+computed once); what the score head reads for each side (the final hidden state at the last real token) is kept, and the head is the L2-regularised Bradley-Terry fit on
 those features (:func:`rlhfkit.algos.linear_head.fit_linear_bt_head`, the L2 strength by
 cross-validation on the training pairs). It costs one forward pass over the training pairs and no
 backward pass, and it is the optimum of the head-only objective rather than a few noisy Adam steps.
@@ -19,7 +19,7 @@ import torch
 from rlhfkit import distributed as dist
 from rlhfkit.algos.linear_head import fit_linear_bt_head
 from rlhfkit.loaders import feature_length
-from rlhfkit.models import head_inputs_at_last_token, score_head
+from rlhfkit.models import head_inputs_at_last_token, packed_pair_head_inputs, score_head
 from rlhfkit.supervised import LoopResult
 
 
@@ -34,16 +34,19 @@ def rank_batches(pairs: list[dict], batch_size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def pair_head_inputs(engine: Any, pairs: list[dict], collate: Callable, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_head_inputs(engine: Any, pairs: list[dict], collate: Callable, batch_size: int,
+                     packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [N, H], rejected [N, H]): the score head's inputs of every pair of ``pairs``, in order, on
-    every rank (each rank runs its share; ``collate`` is ``collate_pairs``: chosen rows then rejected rows)."""
+    every rank (each rank runs its share). ``collate``: ``collate_pairs`` (chosen rows then rejected rows),
+    or with ``packed`` ``collate_packed_pairs`` (one row per pair, its prompt computed once)."""
     engine.eval()
     mine: list[tuple[int, torch.Tensor]] = []
     for idx in rank_batches(pairs, batch_size):
-        batch = collate([pairs[i] if i >= 0 else pairs[0] for i in idx])
-        h = head_inputs_at_last_token(engine, batch["input_ids"].to(engine.device),
-                                      batch["attention_mask"].to(engine.device)).cpu()
-        chosen, rejected = h.chunk(2)
+        batch = {k: v.to(engine.device) for k, v in collate([pairs[i] if i >= 0 else pairs[0] for i in idx]).items()}
+        if packed:
+            chosen, rejected = (h.cpu() for h in packed_pair_head_inputs(engine, batch))
+        else:
+            chosen, rejected = head_inputs_at_last_token(engine, batch["input_ids"], batch["attention_mask"]).cpu().chunk(2)
         mine += [(i, torch.stack([chosen[k], rejected[k]])) for k, i in enumerate(idx) if i >= 0]
     rows = dict(dist.gather_lists(mine))
     both = torch.stack([rows[i] for i in range(len(pairs))])  # [N, 2, H]
@@ -67,15 +70,16 @@ def install_head(engine: Any, weight: torch.Tensor) -> None:
 
 
 def fit_head(engine: Any, train_set: list[dict], collate: Callable, batch_size: int, evaluate: Callable[[], dict],
-             logger: Any, seed: int) -> tuple[LoopResult, dict]:
-    """Evaluate the fresh head, fit the head on the training pairs' features, install it, evaluate again.
+             logger: Any, seed: int, packed: bool = False) -> tuple[LoopResult, dict]:
+    """Evaluate the fresh head, fit the head on the training pairs' features (``packed``: read from packed
+    pairs, ``collate`` then being ``collate_packed_pairs``), install it, evaluate again.
     -> (a LoopResult of 0 optimiser steps whose evals are before and after, the fit's report)."""
     res = LoopResult()
     t0 = time.time()
     before = evaluate()
     res.evals.append({"step": 0, **before})
     logger.log(0, {f"eval/{k}": v for k, v in before.items()})
-    chosen, rejected = pair_head_inputs(engine, train_set, collate, batch_size)
+    chosen, rejected = pair_head_inputs(engine, train_set, collate, batch_size, packed)
     t_features = time.time() - t0
     weight, report = fit_linear_bt_head(chosen, rejected, seed=seed)
     install_head(engine, weight)

@@ -8,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from rlhfkit.models import load_model, packed_pair_scores, sequence_scores, token_values
+from rlhfkit.models import (
+    head_inputs_at_last_token, load_model, packed_pair_head_inputs, packed_pair_scores, sequence_scores, token_values,
+)
 from testutils import run_program
 
 
@@ -72,6 +74,10 @@ def test_packed_pairs_score_and_train_like_two_rows(tiny_dir, tokenizer, shared_
     ref_scores, ref_loss, ref_grads = loss_and_grads((flat[:len(features)], flat[len(features):]))
     scores, loss, grads = loss_and_grads(packed_pair_scores(model, collate_packed_pairs(features, tokenizer.pad_token_id)))
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # what --fit_head_only reads: the head's inputs, packed as apart
+        packed_inputs = torch.cat(packed_pair_head_inputs(model, collate_packed_pairs(features, tokenizer.pad_token_id)))
+        torch.testing.assert_close(packed_inputs, head_inputs_at_last_token(model, apart["input_ids"], apart["attention_mask"]),
+                                   rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for g, ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-5)

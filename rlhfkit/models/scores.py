@@ -81,6 +81,16 @@ def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torc
     return values[rows, batch["chosen_end"]], values[rows, batch["rejected_end"]]
 
 
+def packed_pair_head_inputs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen [B, H], rejected [B, H]) fp32: what the score head reads for each side of a ``collate_packed_pairs``
+    batch (the forward of :func:`packed_pair_scores`; equal to :func:`head_inputs_at_last_token` on the two rows,
+    up to the order of the sums)."""
+    hidden = _at_score_head(model, read_input=True, input_ids=batch["input_ids"],
+                            attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"]).float()
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, batch["chosen_end"]], hidden[rows, batch["rejected_end"]]
+
+
 def at_predicting_column(x: torch.Tensor, fill: Any) -> torch.Tensor:
     """``x`` [N, T] moved one column left (the logits at column t predict the token at t+1), ``fill`` at the end."""
     return torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)
