@@ -10,7 +10,7 @@
 #
 # --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
 # --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
-#            small (default; about 15 min on a 2-core CPU with SmolLM2-135M), quality (more data per stage, an
+#            small (default; about 20 min on a 2-core CPU with AVX-512 bf16, SmolLM2-135M), quality (more data per stage, an
 #            independent judge, win rates; 63 min on 2 AVX-512 cores), full (one epoch, GPUs)
 # --model    start from this base checkpoint / HF causal-LM dir instead of `rlhfkit prepare-base`
 # --stepN_args  extra flags for one stage's program, word-split (e.g. --step1_args "--lora_dim 8";
