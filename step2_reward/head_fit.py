@@ -1,9 +1,10 @@
 """``--fit_head_only``: the reward model's body stays frozen and its score head is fitted exactly.
 
-Every training pair goes through the model once (packed, as training packs it, by default: its prompt
-computed once); what the score head reads for each side (the final hidden state at the last real token) is kept, and the head is the L2-regularised Bradley-Terry fit on
-those features (:func:`rlhfkit.algos.linear_head.fit_linear_bt_head`, the L2 strength by
-cross-validation on the training pairs). It costs one forward pass over the training pairs and no
+Every training pair goes through the model once (by default packed, as training packs it: its prompt
+computed once); what the score head reads for each side (the final hidden state at the last real
+token) is kept, and the head is the L2-regularised Bradley-Terry fit on those features
+(:func:`rlhfkit.algos.linear_head.fit_linear_bt_head`, the L2 strength by cross-validation on the
+training pairs). It costs one forward pass over the training pairs and no
 backward pass, and it is the optimum of the head-only objective rather than a few noisy Adam steps.
 The fitted head is written into the model, so the held-out evaluation and the checkpoint are those of
 the real model.

@@ -82,9 +82,9 @@ def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torc
 
 
 def packed_pair_head_inputs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen [B, H], rejected [B, H]) fp32: what the score head reads for each side of a ``collate_packed_pairs``
-    batch (the forward of :func:`packed_pair_scores`; equal to :func:`head_inputs_at_last_token` on the two rows,
-    up to the order of the sums)."""
+    """(chosen [B, H], rejected [B, H]) fp32: what the score head reads for each side of a
+    ``collate_packed_pairs`` batch (the forward of :func:`packed_pair_scores`; equal to
+    :func:`head_inputs_at_last_token` on the two rows, up to the order of the sums)."""
     hidden = _at_score_head(model, read_input=True, input_ids=batch["input_ids"],
                             attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"]).float()
     rows = torch.arange(hidden.shape[0], device=hidden.device)
