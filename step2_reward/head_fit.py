@@ -4,8 +4,8 @@ Every training pair goes through the model once (by default packed, as training 
 computed once); what the score head reads for each side (the final hidden state at the last real
 token) is kept, and the head is the L2-regularised Bradley-Terry fit on those features
 (:func:`rlhfkit.algos.linear_head.fit_linear_bt_head`, the L2 strength by cross-validation on the
-training pairs). It costs one forward pass over the training pairs and no
-backward pass, and it is the optimum of the head-only objective rather than a few noisy Adam steps.
+training pairs). It costs one forward pass over the training pairs and no backward pass, and it is
+the optimum of the head-only objective rather than a few noisy Adam steps.
 The fitted head is written into the model, so the held-out evaluation and the checkpoint are those of
 the real model.
 """
@@ -35,16 +35,15 @@ def rank_batches(pairs: list[dict], batch_size: int) -> list[list[int]]:
 
 
 @torch.no_grad()
-def pair_head_inputs(engine: Any, pairs: list[dict], collate: Callable, batch_size: int,
-                     packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_head_inputs(engine: Any, pairs: list[dict], collate: Callable, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen [N, H], rejected [N, H]): the score head's inputs of every pair of ``pairs``, in order, on
-    every rank (each rank runs its share). ``collate``: ``collate_pairs`` (chosen rows then rejected rows),
-    or with ``packed`` ``collate_packed_pairs`` (one row per pair, its prompt computed once)."""
+    every rank (each rank runs its share). ``collate``: ``collate_pairs`` (chosen rows then rejected rows)
+    or ``collate_packed_pairs`` (one row per pair, its prompt computed once)."""
     engine.eval()
     mine: list[tuple[int, torch.Tensor]] = []
     for idx in rank_batches(pairs, batch_size):
         batch = {k: v.to(engine.device) for k, v in collate([pairs[i] if i >= 0 else pairs[0] for i in idx]).items()}
-        if packed:
+        if "pair_mask" in batch:  # packed pairs
             chosen, rejected = (h.cpu() for h in packed_pair_head_inputs(engine, batch))
         else:
             chosen, rejected = head_inputs_at_last_token(engine, batch["input_ids"], batch["attention_mask"]).cpu().chunk(2)
@@ -71,16 +70,16 @@ def install_head(engine: Any, weight: torch.Tensor) -> None:
 
 
 def fit_head(engine: Any, train_set: list[dict], collate: Callable, batch_size: int, evaluate: Callable[[], dict],
-             logger: Any, seed: int, packed: bool = False) -> tuple[LoopResult, dict]:
-    """Evaluate the fresh head, fit the head on the training pairs' features (``packed``: read from packed
-    pairs, ``collate`` then being ``collate_packed_pairs``), install it, evaluate again.
+             logger: Any, seed: int) -> tuple[LoopResult, dict]:
+    """Evaluate the fresh head, fit the head on the training pairs' features (batched by ``collate``: two
+    rows or one packed row a pair), install it, evaluate again.
     -> (a LoopResult of 0 optimiser steps whose evals are before and after, the fit's report)."""
     res = LoopResult()
     t0 = time.time()
     before = evaluate()
     res.evals.append({"step": 0, **before})
     logger.log(0, {f"eval/{k}": v for k, v in before.items()})
-    chosen, rejected = pair_head_inputs(engine, train_set, collate, batch_size, packed)
+    chosen, rejected = pair_head_inputs(engine, train_set, collate, batch_size)
     t_features = time.time() - t0
     weight, report = fit_linear_bt_head(chosen, rejected, seed=seed)
     install_head(engine, weight)

@@ -138,8 +138,7 @@ def main() -> None:
     head_fit: dict = {}
     if cfg.fit_head_only:
         # the training pairs' features read as training reads pairs: packed (each prompt computed once) by default
-        result, head_fit = fit_head(engine, train_set, train_collate, cfg.per_device_eval_batch_size, evaluate, logger, cfg.seed,
-                                    packed=cfg.pack_pairs)
+        result, head_fit = fit_head(engine, train_set, train_collate, cfg.per_device_eval_batch_size, evaluate, logger, cfg.seed)
     else:
         result = fit(engine, loader, compute_loss=pairwise, evaluate=evaluate, total_steps=total_steps,
                      epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,

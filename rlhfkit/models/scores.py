@@ -72,23 +72,26 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
 
 
+def _at_pair_ends(model: Any, batch: dict[str, torch.Tensor], read_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass over a ``collate_packed_pairs`` batch (its ``pair_mask`` passed to the model as a 4D
+    additive mask: kernels that take one, eager and SDPA) -> the score head's output (or, with ``read_input``,
+    its input) at each pair's chosen and rejected end, fp32."""
+    out = _at_score_head(model, read_input, input_ids=batch["input_ids"],
+                         attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"]).float()
+    rows = torch.arange(out.shape[0], device=out.device)
+    return out[rows, batch["chosen_end"]], out[rows, batch["rejected_end"]]
+
+
 def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen [B], rejected [B]) scores of a ``collate_packed_pairs`` batch: one row per pair, its
-    ``pair_mask`` passed to the model as a 4D additive mask (kernels that take one: eager, SDPA)."""
-    values = _head_outputs(model, input_ids=batch["input_ids"], attention_mask=additive_mask(model, batch["pair_mask"]),
-                           position_ids=batch["position_ids"])
-    rows = torch.arange(values.shape[0], device=values.device)
-    return values[rows, batch["chosen_end"]], values[rows, batch["rejected_end"]]
+    """(chosen [B], rejected [B]) scores of a ``collate_packed_pairs`` batch: one row per pair."""
+    chosen, rejected = _at_pair_ends(model, batch, read_input=False)
+    return chosen.squeeze(-1), rejected.squeeze(-1)
 
 
 def packed_pair_head_inputs(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen [B, H], rejected [B, H]) fp32: what the score head reads for each side of a
-    ``collate_packed_pairs`` batch (the forward of :func:`packed_pair_scores`; equal to
-    :func:`head_inputs_at_last_token` on the two rows, up to the order of the sums)."""
-    hidden = _at_score_head(model, read_input=True, input_ids=batch["input_ids"],
-                            attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"]).float()
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, batch["chosen_end"]], hidden[rows, batch["rejected_end"]]
+    """(chosen [B, H], rejected [B, H]): what the score head reads for each side of a ``collate_packed_pairs``
+    batch (equal to :func:`head_inputs_at_last_token` on the two rows, up to the order of the sums)."""
+    return _at_pair_ends(model, batch, read_input=True)
 
 
 def at_predicting_column(x: torch.Tensor, fill: Any) -> torch.Tensor:
