@@ -7,7 +7,8 @@ token) is kept, and the head is the L2-regularised Bradley-Terry fit on those fe
 training pairs). It costs one forward pass over the training pairs and no backward pass, and it is
 the optimum of the head-only objective rather than a few noisy Adam steps.
 The fitted head is written into the model, so the held-out evaluation and the checkpoint are those of
-the real model.
+the real model. The body being frozen, the fresh head's held-out accuracy ("before") is read from the
+same held-out forward pass as the fitted one's.
 """
 
 from __future__ import annotations
@@ -69,16 +70,32 @@ def install_head(engine: Any, weight: torch.Tensor) -> None:
                 head.bias.zero_()
 
 
-def fit_head(engine: Any, train_set: list[dict], collate: Callable, batch_size: int, evaluate: Callable[[], dict],
-             logger: Any, seed: int) -> tuple[LoopResult, dict]:
-    """Evaluate the fresh head, fit the head on the training pairs' features (batched by ``collate``: two
-    rows or one packed row a pair), install it, evaluate again.
+@torch.no_grad()
+def copy_of_head(engine: Any) -> torch.nn.Linear:
+    """A plain fp32 copy (on the CPU) of the score head as it is now, gathered when ZeRO-3 partitions it."""
+    import deepspeed
+
+    head = score_head(engine)
+    params = list(head.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
+        weight = head.weight.detach().float().cpu().view(1, -1)
+        bias = head.bias.detach().float().cpu().view(1) if getattr(head, "bias", None) is not None else None
+    copy = torch.nn.Linear(weight.shape[1], 1, bias=bias is not None)
+    copy.weight.copy_(weight)
+    if bias is not None:
+        copy.bias.copy_(bias)
+    return copy
+
+
+def fit_head(engine: Any, train_set: list[dict], collate: Callable, batch_size: int, logger: Any, seed: int,
+             evaluate_beside: Callable[[torch.nn.Module], tuple[dict, dict]]) -> tuple[LoopResult, dict]:
+    """Fit the head on the training pairs' features (batched by ``collate``: two rows or one packed row a
+    pair) and install it; then one pass over the held-out pairs evaluates the model (the fitted head) and,
+    from the same features, the fresh head it replaced (``evaluate_beside(head) -> (model's, head's)``).
     -> (a LoopResult of 0 optimiser steps whose evals are before and after, the fit's report)."""
     res = LoopResult()
     t0 = time.time()
-    before = evaluate()
-    res.evals.append({"step": 0, **before})
-    logger.log(0, {f"eval/{k}": v for k, v in before.items()})
+    fresh = copy_of_head(engine)
     chosen, rejected = pair_head_inputs(engine, train_set, collate, batch_size)
     t_features = time.time() - t0
     weight, report = fit_linear_bt_head(chosen, rejected, seed=seed)
@@ -86,9 +103,11 @@ def fit_head(engine: Any, train_set: list[dict], collate: Callable, batch_size: 
     dist.print_rank0(f"head fitted on {len(train_set)} pairs' features ({t_features:.0f} s): l2 {report['l2']:g}, "
                      f"cross-validated accuracy {report['cv_accuracy'][report['l2']]:.3f}, "
                      f"training accuracy {report['train_accuracy']:.3f}")
-    res.evals.append({"step": 1, **evaluate()})
+    after, before = evaluate_beside(fresh)
+    res.evals += [{"step": 0, **before}, {"step": 1, **after}]
     res.steps, res.samples, res.seconds = 1, 2 * len(train_set), time.time() - t0
+    logger.log(0, {f"eval/{k}": v for k, v in before.items()})
     logger.log(1, {"train/cv_accuracy": report["cv_accuracy"][report["l2"]], "train/accuracy": report["train_accuracy"],
-                   "train/l2": report["l2"], **{f"eval/{k}": v for k, v in res.evals[-1].items() if k != "step"}})
+                   "train/l2": report["l2"], **{f"eval/{k}": v for k, v in after.items()}})
     return res, {"head_fit_l2": report["l2"], "head_fit_cv_accuracy": report["cv_accuracy"][report["l2"]],
                  "head_fit_train_accuracy": report["train_accuracy"]}

@@ -28,7 +28,7 @@ from rlhfkit.config import config_dict  # noqa: E402
 from rlhfkit.data import collate_packed_pairs, collate_pairs, tokenize_by_source, tokenize_pairs  # noqa: E402
 from rlhfkit.engines import batch_plan, count_steps, trainable_engine  # noqa: E402
 from rlhfkit.loaders import eval_batches, feature_length, train_loader  # noqa: E402
-from rlhfkit.models import load_tokenizer, packed_pair_scores, sequence_scores  # noqa: E402
+from rlhfkit.models import load_tokenizer, packed_pair_scores, scores_and_head_inputs, sequence_scores  # noqa: E402
 from rlhfkit.resume_reshard import resume_layout, with_layout  # noqa: E402
 from rlhfkit.program import load_split, make_logger, make_run_state, print_summary, run_main, start_program  # noqa: E402
 from rlhfkit.rewards import by_source, held_out_baselines, pair_metrics_by_source, score_pairs  # noqa: E402
@@ -56,15 +56,35 @@ class PairwiseObjective:
 
     def evaluate(self, eval_set: list, collate: Any, batch_size: int) -> dict:
         """Held-out pairs, over all ranks: accuracy (chosen scored above rejected) with its 95% interval,
-        mean chosen and rejected score, their mean margin, the longer-answer baseline and the accuracy
-        where the chosen answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`); the same per data
-        source when the set blends several (the gathered rows keep ``eval_set``'s order)."""
+        margin, mean scores, the longer-answer baseline and the accuracy on the pairs where the chosen
+        answer is the shorter (:func:`rlhfkit.rewards.pair_metrics`); the same per data source when the
+        set blends several (the gathered rows keep ``eval_set``'s order)."""
+        return self._evaluate(eval_set, collate, batch_size, functools.partial(sequence_scores, self.engine), 1)[0]
+
+    def evaluate_beside(self, eval_set: list, collate: Any, batch_size: int,
+                        head: torch.nn.Module) -> tuple[dict, dict]:
+        """:meth:`evaluate` of the model and of the same model with ``head`` (a plain one-output linear layer)
+        in place of its score head, from one forward pass over the held-out pairs."""
+        own, other = self._evaluate(eval_set, collate, batch_size,
+                                    functools.partial(scores_beside, self.engine, head), 2)
+        return own, other
+
+    def _evaluate(self, eval_set: list, collate: Any, batch_size: int, score_fn: Any, columns: int) -> list[dict]:
+        """The metrics of each column of ``score_fn(input_ids, attention_mask)``: [2B], or [2B, columns]."""
         self.engine.eval()
-        mine = score_pairs(functools.partial(sequence_scores, self.engine), eval_batches(eval_set, collate, batch_size),
-                           self.engine.device)
-        columns = list(zip(*dist.gather_lists(list(zip(*(t.tolist() for t in mine)))))) or [(), (), (), ()]
-        c, r, c_len, r_len = (torch.tensor(col, dtype=torch.float64) for col in columns)
-        return pair_metrics_by_source(c, r, c_len, r_len, [f.get("source", "") for f in eval_set])
+        mine = score_pairs(score_fn, eval_batches(eval_set, collate, batch_size), self.engine.device)
+        gathered = list(zip(*dist.gather_lists(list(zip(*(t.tolist() for t in mine)))))) or [(), (), (), ()]
+        c, r, c_len, r_len = (torch.tensor(col, dtype=torch.float64) for col in gathered)
+        c, r = c.reshape(len(c_len), columns), r.reshape(len(r_len), columns)
+        sources = [f.get("source", "") for f in eval_set]
+        return [pair_metrics_by_source(c[:, k], r[:, k], c_len, r_len, sources) for k in range(columns)]
+
+
+def scores_beside(model: Any, head: torch.nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, 2]: each sequence's score under the model's own score head and under ``head``, one forward pass."""
+    scores, head_inputs = scores_and_head_inputs(model, input_ids, attention_mask)
+    return torch.stack([scores, head.to(head_inputs.device)(head_inputs).squeeze(-1)], dim=1)
 
 
 def run_metrics(result: LoopResult) -> dict:
@@ -137,8 +157,11 @@ def main() -> None:
     evaluate = functools.partial(pairwise.evaluate, eval_set, eval_collate, cfg.per_device_eval_batch_size)
     head_fit: dict = {}
     if cfg.fit_head_only:
-        # the training pairs' features read as training reads pairs: packed (each prompt computed once) by default
-        result, head_fit = fit_head(engine, train_set, train_collate, cfg.per_device_eval_batch_size, evaluate, logger, cfg.seed)
+        # the training pairs' features read as training reads pairs: packed (each prompt computed once) by default;
+        # the held-out pairs read once, scored by the fitted head (the model's own) and beside it by the fresh one
+        result, head_fit = fit_head(engine, train_set, train_collate, cfg.per_device_eval_batch_size, logger, cfg.seed,
+                                    functools.partial(pairwise.evaluate_beside, eval_set, eval_collate,
+                                                      cfg.per_device_eval_batch_size))
     else:
         result = fit(engine, loader, compute_loss=pairwise, evaluate=evaluate, total_steps=total_steps,
                      epochs=cfg.num_train_epochs, grad_accum=plan.grad_accum, eval_interval=cfg.eval_interval,

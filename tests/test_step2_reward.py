@@ -180,6 +180,48 @@ def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, 
     assert ev.returncode == 0 and re.match(r"-?\d+\.\d{4}\t", ev.stdout), ev.stdout + ev.stderr[-2000:]
 
 
+class LogRecorder:
+    def __init__(self):
+        self.logged = []
+
+    def log(self, step, values):
+        self.logged.append((step, values))
+
+
+def test_fit_head_reads_before_and_after_from_one_held_out_pass(tiny_dir, tokenizer, shared_data):
+    """--fit_head_only's "before" (the fresh head) and "after" (the fitted head), read from one held-out
+    pass, equal two plain evaluations of the model: one before the fit, one after (fp32, real hh pairs)."""
+    import functools
+
+    from rlhfkit.data import collate_packed_pairs, collate_pairs, load_phase_data, tokenize_pairs
+    from step2_reward.head_fit import fit_head
+    from step2_reward.main import PairwiseObjective
+
+    rows, _, _ = load_phase_data(str(shared_data / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"), 2, "pairs")
+    features, _ = tokenize_pairs(rows[:40], tokenizer, max_seq_len=96)
+    train, held_out = features[:24], features[24:]
+    torch.manual_seed(0)
+    model = load_model(str(tiny_dir), "reward", dtype="fp32", pad_token_id=tokenizer.pad_token_id).eval()
+    model.score.weight.data.normal_(0, 1.0)
+    objective = PairwiseObjective(model, pack_pairs=True)
+    two_rows = functools.partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
+    plain = functools.partial(objective.evaluate, held_out, two_rows, 5)
+    expected_before = plain()
+    logger = LogRecorder()
+    packed = functools.partial(collate_packed_pairs, pad_token_id=tokenizer.pad_token_id)
+    result, report = fit_head(model, train, packed, 4, logger, 1234,
+                              functools.partial(objective.evaluate_beside, held_out, two_rows, 5))
+    expected_after = plain()
+    before, after = result.evals
+    assert expected_before["margin"] != pytest.approx(expected_after["margin"], abs=1e-3)  # the fit moved the head
+    for got, want in ((before, expected_before), (after, expected_after)):
+        assert got["pairs"] == want["pairs"] == 16 and got["accuracy"] == want["accuracy"]
+        for key in ("margin", "chosen_score", "rejected_score"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+    assert [step for step, _ in logger.logged] == [0, 1] and logger.logged[0][1]["eval/accuracy"] == before["accuracy"]
+    assert report["head_fit_l2"] > 0
+
+
 @pytest.mark.distributed
 def test_fit_head_only_zero3_is_the_exact_fit_on_the_models_features(tiny_dir, tokenizer, pair_data, tmp_path):
     """--fit_head_only on 2 ranks under ZeRO-3: the exported head is the linear Bradley-Terry fit on the

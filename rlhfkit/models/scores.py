@@ -34,17 +34,23 @@ def score_head(model: Any) -> torch.nn.Module:
     raise TypeError(f"{type(base).__name__} has no score head (expected a one-label AutoModelForSequenceClassification)")
 
 
-def _at_score_head(model: Any, read_input: bool = False, **inputs: torch.Tensor) -> torch.Tensor:
+def _score_head_io(model: Any, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass through ``model`` (a DeepSpeed engine or a plain/peft module; gradients flow
-    when enabled) -> the score head's output at every position, [B, T, 1], or with ``read_input`` what
-    the head reads there (the final hidden states), [B, T, H]."""
-    captured: list[torch.Tensor] = []
-    hook = score_head(model).register_forward_hook(lambda _m, i, out: captured.append(i[0] if read_input else out))
+    when enabled) -> what the score head reads at every position (the final hidden states), [B, T, H],
+    and its output there, [B, T, 1]."""
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hook = score_head(model).register_forward_hook(lambda _m, i, out: captured.append((i[0], out)))
     try:
         model(**inputs, use_cache=False)
     finally:
         hook.remove()
     return captured[-1]
+
+
+def _at_score_head(model: Any, read_input: bool = False, **inputs: torch.Tensor) -> torch.Tensor:
+    """The score head's output at every position, [B, T, 1], or with ``read_input`` its input, [B, T, H]."""
+    head_input, head_output = _score_head_io(model, **inputs)
+    return head_input if read_input else head_output
 
 
 def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
@@ -70,6 +76,16 @@ def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
 def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """One score per sequence, [B], read at the last real token."""
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
+
+
+def scores_and_head_inputs(model: Any, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_scores` [B] and :func:`head_inputs_at_last_token` [B, H] (both fp32) from one forward
+    pass: the model's own scores and what any other linear head would read."""
+    head_input, head_output = _score_head_io(model, input_ids=input_ids, attention_mask=attention_mask,
+                                             position_ids=position_ids(attention_mask))
+    rows, last = torch.arange(input_ids.shape[0], device=input_ids.device), last_real_token_index(attention_mask)
+    return head_output.squeeze(-1).float()[rows, last], head_input.float()[rows, last]
 
 
 def _at_pair_ends(model: Any, batch: dict[str, torch.Tensor], read_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
