@@ -65,8 +65,8 @@ class PairwiseObjective:
                         head: torch.nn.Module) -> tuple[dict, dict]:
         """:meth:`evaluate` of the model and of the same model with ``head`` (a plain one-output linear layer)
         in place of its score head, from one forward pass over the held-out pairs."""
-        own, other = self._evaluate(eval_set, collate, batch_size,
-                                    functools.partial(scores_beside, self.engine, head), 2)
+        score_fn = functools.partial(scores_beside, self.engine, head)
+        own, other = self._evaluate(eval_set, collate, batch_size, score_fn, 2)
         return own, other
 
     def _evaluate(self, eval_set: list, collate: Any, batch_size: int, score_fn: Any, columns: int) -> list[dict]:

@@ -86,9 +86,9 @@ def held_out_baselines(ev: dict) -> str:
 @torch.no_grad()
 def score_pairs(score_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                 batches: Iterable[tuple[dict, torch.Tensor]], device: Any = "cpu") -> tuple[torch.Tensor, ...]:
-    """Run ``score_fn(input_ids, attention_mask) -> [2B]`` over pair batches (``collate_pairs``
-    layout: B chosen rows then B rejected rows) with 0/1 row weights; returns this process's
-    (chosen, rejected) scores of the weight-1 rows and their (chosen, rejected) token counts."""
+    """Run ``score_fn(input_ids, attention_mask) -> [2B]`` (or [2B, K]: K scores a sequence) over pair
+    batches (``collate_pairs`` layout: B chosen rows then B rejected rows) with 0/1 row weights; returns
+    this process's (chosen, rejected) scores of the weight-1 rows and their (chosen, rejected) token counts."""
     parts: list[list[torch.Tensor]] = [[], [], [], []]
     for batch, weights in batches:
         scores = score_fn(batch["input_ids"].to(device), batch["attention_mask"].to(device)).float().cpu()
