@@ -58,13 +58,20 @@ def _head_outputs(model: Any, **inputs: torch.Tensor) -> torch.Tensor:
     return _at_score_head(model, **inputs).squeeze(-1).float()
 
 
+def scores_and_head_inputs(model: Any, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_scores` [B] and :func:`head_inputs_at_last_token` [B, H] (both fp32) from one forward
+    pass: the model's own scores and what any other linear head would read."""
+    head_input, head_output = _score_head_io(model, input_ids=input_ids, attention_mask=attention_mask,
+                                             position_ids=position_ids(attention_mask))
+    rows, last = torch.arange(input_ids.shape[0], device=input_ids.device), last_real_token_index(attention_mask)
+    return head_output[rows, last].squeeze(-1).float(), head_input[rows, last].float()
+
+
 def head_inputs_at_last_token(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """What the score head reads for each sequence: its input (the final hidden state) at the last real
     token, [B, H] fp32; the same forward as :func:`sequence_scores`."""
-    hidden = _at_score_head(model, read_input=True, input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids(attention_mask)).float()  # [B, T, H]
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, last_real_token_index(attention_mask)]
+    return scores_and_head_inputs(model, input_ids, attention_mask)[1]
 
 
 def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -78,24 +85,14 @@ def sequence_scores(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return gather_last_real(token_values(model, input_ids, attention_mask), attention_mask)
 
 
-def scores_and_head_inputs(model: Any, input_ids: torch.Tensor,
-                           attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sequence_scores` [B] and :func:`head_inputs_at_last_token` [B, H] (both fp32) from one forward
-    pass: the model's own scores and what any other linear head would read."""
-    head_input, head_output = _score_head_io(model, input_ids=input_ids, attention_mask=attention_mask,
-                                             position_ids=position_ids(attention_mask))
-    rows, last = torch.arange(input_ids.shape[0], device=input_ids.device), last_real_token_index(attention_mask)
-    return head_output.squeeze(-1).float()[rows, last], head_input.float()[rows, last]
-
-
 def _at_pair_ends(model: Any, batch: dict[str, torch.Tensor], read_input: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass over a ``collate_packed_pairs`` batch (its ``pair_mask`` passed to the model as a 4D
     additive mask: kernels that take one, eager and SDPA) -> the score head's output (or, with ``read_input``,
     its input) at each pair's chosen and rejected end, fp32."""
     out = _at_score_head(model, read_input, input_ids=batch["input_ids"],
-                         attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"]).float()
+                         attention_mask=additive_mask(model, batch["pair_mask"]), position_ids=batch["position_ids"])
     rows = torch.arange(out.shape[0], device=out.device)
-    return out[rows, batch["chosen_end"]], out[rows, batch["rejected_end"]]
+    return out[rows, batch["chosen_end"]].float(), out[rows, batch["rejected_end"]].float()
 
 
 def packed_pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
