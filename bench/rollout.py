@@ -15,6 +15,7 @@ barriers. `hf` includes its weight gather and copy build (reported separately as
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -79,7 +80,7 @@ def timed(fn, repeats: int = 1):
     return best
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face causal LM directory")
     ap.add_argument("--batch_sizes", default="1,2,4", help="prompts per rank, comma-separated")
@@ -94,23 +95,35 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--local_rank", type=int, default=-1)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    torch.set_num_threads(args.threads)
-    load_start = os.getloadavg()[0]  # other work on the machine skews wall times: reported with the figures
-    distributed.init()  # as the programs do: on one CPU host ZeRO's gathers go through shared memory
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    device = torch.device(get_accelerator().current_device_name())
-    dtype = DTYPES[args.dtype]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+def greedy_config(n: int, eos: int) -> GenerationConfig:
+    """Exactly ``n`` greedy tokens (EOS cannot end a response early)."""
+    return GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+
+
+@torch.no_grad()
+def plain_generate(plain, prompts: PromptBatch, gen: GenerationConfig) -> torch.Tensor:
+    out = plain.generate(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
+                         generation_config=gen.to_hf(), synced_gpus=False)
+    return out[:, prompts.input_ids.shape[1]:]
+
+
+def hf_generate(backend, prompts: PromptBatch, gen: GenerationConfig, gathers: list[float]):
+    """The `hf` backend's rollout; its gather time is appended to ``gathers``."""
+    out = backend.generate(prompts, gen)
+    gathers.append(backend.last_timings["gather"])
+    return out
+
+
+def build_models(args, dtype, device):
+    """(plain, backends): the plain unsharded model and the ZeRO engine's `hf` and `hf-synced` backends."""
+    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
-
-    tok = AutoTokenizer.from_pretrained(args.model)
-    eos = tok.eos_token_id
 
     # the plain baseline: a full model on each rank, built before any DeepSpeed config exists
     plain = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "zero_optimization": {"stage": args.zero_stage},
@@ -121,85 +134,88 @@ def main() -> None:
     dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - from_pretrained partitions while it lives
     actor = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     engine, *_ = deepspeed.initialize(model=actor, config=ds_config)
-    backends = {"hf": make_rollout_engine("hf", engine), "hf-synced": make_rollout_engine("hf-synced", engine)}
+    return plain, {"hf": make_rollout_engine("hf", engine), "hf-synced": make_rollout_engine("hf-synced", engine)}
 
-    def gen_config(n: int) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=eos,
-                                pad_token_id=eos)
 
-    def run_plain(prompts: PromptBatch, gen: GenerationConfig) -> torch.Tensor:
-        with torch.no_grad():
-            out = plain.generate(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask,
-                                 generation_config=gen.to_hf(), synced_gpus=False)
-        return out[:, prompts.input_ids.shape[1]:]
+def measure(args, prompts: PromptBatch, plain, backends: dict, eos: int, synced_tokens: int | None) -> dict:
+    """One size: plain `generate`, `hf` and (when ``synced_tokens``) `hf-synced`, timed on every rank."""
+    world, bsz = torch.distributed.get_world_size(), prompts.input_ids.shape[0]
+    row = {"batch_per_rank": bsz, "ranks": world, "new_tokens": args.new_tokens, "prompt_len": prompts.input_ids.shape[1]}
+    gen, gathers = greedy_config(args.new_tokens, eos), []
+    plain_out, t, cpu = timed(functools.partial(plain_generate, plain, prompts, gen), args.repeats)
+    row["plain_s"], row["plain_cpu_s"], row["plain_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
+    hf_out, t, cpu = timed(functools.partial(hf_generate, backends["hf"], prompts, gen, gathers), args.repeats)
+    gather = torch.tensor([min(gathers)])
+    torch.distributed.all_reduce(gather, op=torch.distributed.ReduceOp.MAX)
+    row["hf_s"], row["hf_cpu_s"], row["hf_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
+    row["hf_gather_s"] = float(gather)
+    same = torch.tensor([int(torch.equal(hf_out.response_ids, plain_out))])
+    if synced_tokens:
+        sgen = greedy_config(synced_tokens, eos)
+        synced_out, t, cpu = timed(functools.partial(backends["hf-synced"].generate, prompts, sgen))
+        row["synced_new_tokens"] = synced_tokens
+        row["hf_synced_s"], row["hf_synced_cpu_s"] = t, cpu
+        row["hf_synced_tok_s"] = world * bsz * synced_tokens / t
+        n = synced_tokens
+        same &= torch.tensor([int(torch.equal(hf_out.response_ids[:, :n], synced_out.response_ids[:, :n]))])
+        row["hf_over_hf_synced"] = row["hf_tok_s"] / row["hf_synced_tok_s"]
+    torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
+    row["greedy_tokens_identical"] = bool(same)
+    row["hf_over_plain"] = row["hf_tok_s"] / row["plain_tok_s"]
+    row["hf_over_plain_cpu"] = row["plain_cpu_s"] / row["hf_cpu_s"]  # same work: a ratio of CPU seconds
+    return row
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
+    header = (f"{'batch/rank':>10} {'new tok':>7} {'hf tok/s':>9} {'(gather s)':>10} {'hf-synced tok/s':>15} "
+              f"{'plain tok/s':>11} {'hf/synced':>9} {'hf/plain':>8} {'(by cpu s)':>10} {'same tokens':>11}")
+    print(f"\nrollout backends: {meta}")
+    print("tok/s: all ranks' new tokens / the slowest rank's wall time (fastest of --repeats for hf and plain); "
+          "hf includes its gather; hf-synced runs --synced_new_tokens (in brackets)")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        synced = f"{r['hf_synced_tok_s']:.1f}" if "hf_synced_tok_s" in r else "-"
+        synced += f" ({r['synced_new_tokens']})" if "synced_new_tokens" in r and r["synced_new_tokens"] != r["new_tokens"] else ""
+        ratio = f"{r['hf_over_hf_synced']:.1f}x" if "hf_over_hf_synced" in r else "-"
+        print(f"{r['batch_per_rank']:>10} {r['new_tokens']:>7} {r['hf_tok_s']:>9.1f} {r['hf_gather_s']:>10.2f} "
+              f"{synced:>15} {r['plain_tok_s']:>11.1f} {ratio:>9} {r['hf_over_plain']:>7.2f}x "
+              f"{r['hf_over_plain_cpu']:>9.2f}x "
+              f"{'yes' if r['greedy_tokens_identical'] else 'no':>11}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]  # other work on the machine skews wall times: reported with the figures
+    distributed.init()  # as the programs do: on one CPU host ZeRO's gathers go through shared memory
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    device = torch.device(get_accelerator().current_device_name())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model)
+    plain, backends = build_models(args, DTYPES[args.dtype], device)
 
     # warm-up (first-call overheads)
     warm = rank_prompts(tok, rank, 1, device)
-    run_plain(warm, gen_config(2))
+    plain_generate(plain, warm, greedy_config(2, tok.eos_token_id))
     for b in backends.values():
-        b.generate(warm, gen_config(2))
+        b.generate(warm, greedy_config(2, tok.eos_token_id))
 
-    sizes = parse_sizes(args.batch_sizes)
-    synced_sizes = parse_sizes(args.synced_batch_sizes) if args.synced_batch_sizes else sizes
-    synced_tokens = min(args.synced_new_tokens, args.new_tokens)
+    synced_sizes = parse_sizes(args.synced_batch_sizes or args.batch_sizes)
     rows = []
-    for bsz in sizes:
-        prompts = rank_prompts(tok, rank, bsz, device)
-        row = {"batch_per_rank": bsz, "ranks": world, "new_tokens": args.new_tokens,
-               "prompt_len": prompts.input_ids.shape[1]}
-        gen = gen_config(args.new_tokens)
-        gathers = []
-
-        def run_hf():
-            out = backends["hf"].generate(prompts, gen)
-            gathers.append(backends["hf"].last_timings["gather"])
-            return out
-
-        plain_out, t, cpu = timed(lambda: run_plain(prompts, gen), args.repeats)
-        row["plain_s"], row["plain_cpu_s"], row["plain_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
-        hf_out, t, cpu = timed(run_hf, args.repeats)
-        gather = torch.tensor([min(gathers)])
-        torch.distributed.all_reduce(gather, op=torch.distributed.ReduceOp.MAX)
-        row["hf_s"], row["hf_cpu_s"], row["hf_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
-        row["hf_gather_s"] = float(gather)
-        same = torch.tensor([int(torch.equal(hf_out.response_ids, plain_out))])
-        if bsz in synced_sizes:
-            sgen = gen_config(synced_tokens)
-            synced_out, t, cpu = timed(lambda: backends["hf-synced"].generate(prompts, sgen))
-            row["synced_new_tokens"] = synced_tokens
-            row["hf_synced_s"], row["hf_synced_cpu_s"] = t, cpu
-            row["hf_synced_tok_s"] = world * bsz * synced_tokens / t
-            n = synced_tokens
-            same &= torch.tensor([int(torch.equal(hf_out.response_ids[:, :n], synced_out.response_ids[:, :n]))])
-            row["hf_over_hf_synced"] = row["hf_tok_s"] / row["hf_synced_tok_s"]
-        torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
-        row["greedy_tokens_identical"] = bool(same)
-        row["hf_over_plain"] = row["hf_tok_s"] / row["plain_tok_s"]
-        row["hf_over_plain_cpu"] = row["plain_cpu_s"] / row["hf_cpu_s"]  # same work: a ratio of CPU seconds
-        rows.append(row)
+    for bsz in parse_sizes(args.batch_sizes):
+        synced_tokens = min(args.synced_new_tokens, args.new_tokens) if bsz in synced_sizes else None
+        rows.append(measure(args, rank_prompts(tok, rank, bsz, device), plain, backends, tok.eos_token_id, synced_tokens))
         if rank == 0:
-            print(json.dumps(row), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
 
     if rank == 0:
         meta = {"model": args.model, "dtype": args.dtype, "zero_stage": args.zero_stage, "ranks": world,
                 "threads_per_rank": args.threads, "repeats": args.repeats, "device": str(device),
                 "cpus": os.cpu_count(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()[0],
                 "torch": torch.__version__, "deepspeed": deepspeed.__version__}
-        header = (f"{'batch/rank':>10} {'new tok':>7} {'hf tok/s':>9} {'(gather s)':>10} {'hf-synced tok/s':>15} "
-                  f"{'plain tok/s':>11} {'hf/synced':>9} {'hf/plain':>8} {'(by cpu s)':>10} {'same tokens':>11}")
-        print(f"\nrollout backends: {meta}")
-        print("tok/s: all ranks' new tokens / the slowest rank's wall time (fastest of --repeats for hf and plain); "
-              "hf includes its gather; hf-synced runs --synced_new_tokens (in brackets)")
-        print(header)
-        print("-" * len(header))
-        for r in rows:
-            synced = f"{r['hf_synced_tok_s']:.1f}" if "hf_synced_tok_s" in r else "-"
-            synced += f" ({r['synced_new_tokens']})" if "synced_new_tokens" in r and r["synced_new_tokens"] != r["new_tokens"] else ""
-            ratio = f"{r['hf_over_hf_synced']:.1f}x" if "hf_over_hf_synced" in r else "-"
-            print(f"{r['batch_per_rank']:>10} {r['new_tokens']:>7} {r['hf_tok_s']:>9.1f} {r['hf_gather_s']:>10.2f} "
-                  f"{synced:>15} {r['plain_tok_s']:>11.1f} {ratio:>9} {r['hf_over_plain']:>7.2f}x "
-                  f"{r['hf_over_plain_cpu']:>9.2f}x "
-                  f"{'yes' if r['greedy_tokens_identical'] else 'no':>11}")
+        print_table(rows, meta)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
