@@ -99,7 +99,7 @@ def run_dschat(stage: str, model: str, micro: int, steps: int, seq: int, data: s
             "global_batch": 2 * micro, "recipe": "deepspeed-chat", **json.load(open(out))}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="base or SFT checkpoint directory (SmolLM2-135M: rlhfkit prepare-base)")
     ap.add_argument("--stage", choices=["sft", "reward", "dpo"], default="sft")
@@ -108,8 +108,77 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--global_batch", type=int, default=None, help="rows (sft, default 8) or pairs (reward, default 4)")
     ap.add_argument("--out", default="bench_train_throughput.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def run_stage(args: argparse.Namespace, work: str) -> list[dict]:
+    """The stage's runs, in the order :func:`ratios` reads them."""
+    common = (args.steps, args.seq, args.data)
+    if args.stage == "sft":
+        batch = args.global_batch or 8
+        # rows: 1 rank ZeRO-0, 2 ranks ZeRO-3, the same two compiled, DeepSpeed-Chat's recipe
+        runs = [run_rlhfkit("sft", args.model, ranks, zero, batch // ranks, *common, work, extra=extra)
+                for extra in ((), COMPILED) for ranks, zero in ((1, 0), (2, 3))]
+        return runs + [run_dschat("sft", args.model, batch // 2, *common, work)]
+    micro = (args.global_batch or 4) // 2
+    runs = [run_rlhfkit(args.stage, args.model, 2, 3, micro, *common, work),
+            run_rlhfkit(args.stage, args.model, 2, 3, micro, *common, work, extra=("--pack_pairs", "false"))]
+    if args.stage == "dpo":  # the reference's forwards on its gathered copy (default), kept, and through the engine
+        runs += [run_rlhfkit("dpo", args.model, 2, 3, micro, *common, work, extra=(flag, value))
+                 for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
+    runs.append(run_rlhfkit(args.stage, args.model, 2, 3, micro, *common, work, extra=COMPILED))
+    if args.stage == "reward":
+        runs.append(run_dschat("reward", args.model, micro, *common, work))
+    return runs
+
+
+def add_rates(runs: list[dict], stage: str, flop_per_token: float, peaks: dict) -> None:
+    """Each run's model GFLOP/s and its fractions of the measured peaks (and pairs/s for pair stages)."""
+    for r in runs:
+        achieved = r["tokens_per_s"] * flop_per_token / 1e9
+        r["model_gflops"] = achieved
+        r["fraction_of_bf16_peak"] = achieved / peaks["bf16"]
+        r["fraction_of_fp32_peak"] = achieved / peaks["fp32"]
+        if stage != "sft":
+            r["pairs_per_s"] = r["samples_per_s"] / 2
+
+
+def ratios(runs: list[dict], stage: str) -> dict:
+    """The same-run ratios (keyed as in the JSON summary), each printed with what it compares."""
+    key, unit = ("samples_per_s", "samples/s") if stage == "sft" else ("pairs_per_s", "pairs/s")
+    out = {}
+    if stage == "sft":
+        out["zero3_over_zero0"] = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
+        print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {out['zero3_over_zero0']:.2f}")
+        out["compiled_over_eager"] = [runs[2]["tokens_per_s"] / runs[0]["tokens_per_s"],
+                                      runs[3]["tokens_per_s"] / runs[1]["tokens_per_s"]]
+        print("--compile_blocks / eager tokens/s: {:.2f} (1 rank ZeRO-0), {:.2f} (2 ranks ZeRO-3)".format(*out["compiled_over_eager"]))
+    else:
+        out["compiled_over_eager"] = runs[-2 if stage == "reward" else -1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+        print(f"--compile_blocks / eager tokens/s, packed, 2 ranks ZeRO-3: {out['compiled_over_eager']:.2f}")
+        out["packed_over_apart"] = runs[0][key] / runs[1][key]
+        print(f"packed pairs / pairs in separate rows, pairs/s: {out['packed_over_apart']:.2f}")
+    if stage == "dpo":
+        out["copy_over_engine"] = runs[0][key] / runs[3][key]
+        out["kept_copy_over_engine"] = runs[2][key] / runs[3][key]
+        print(f"reference on a gathered copy / through the ZeRO-3 engine, {unit}: {out['copy_over_engine']:.2f} "
+              f"(kept copy: {out['kept_copy_over_engine']:.2f})")
+    else:
+        out["rlhfkit_over_dschat"] = runs[1 if stage == "sft" else 0][key] / runs[-1][key]
+        print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {out['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
+    return out
+
+
+def print_table(runs: list[dict], stage: str) -> None:
+    key, unit = ("samples_per_s", "samples/s") if stage == "sft" else ("pairs_per_s", "pairs/s")
+    print(f"{'setup':<48}{'s/step':>8}{unit:>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}")
+    for r in runs:
+        print(f"{r['name']:<48}{r['seconds_per_step']:>8.2f}{r[key]:>11.2f}{r['tokens_per_s']:>10.0f}"
+              f"{r['model_gflops']:>9.0f}{r['fraction_of_bf16_peak']:>9.1%}")
+
+
+def main() -> None:
+    args = parse_args()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -124,63 +193,18 @@ def main() -> None:
     # the peak is measured before and after the runs and the higher one kept: a noisy machine's low
     # reading would otherwise inflate every fraction of it
     before = {"bf16": matmul_peak(bf16_products, threads), "fp32": matmul_peak("float32", threads)}
-    common = (args.steps, args.seq, args.data)
     with tempfile.TemporaryDirectory() as work:
-        if args.stage == "sft":
-            batch = args.global_batch or 8
-            # rows: 1 rank ZeRO-0, 2 ranks ZeRO-3, the same two compiled, DeepSpeed-Chat's recipe
-            runs = [run_rlhfkit("sft", args.model, ranks, zero, batch // ranks, *common, work, extra=extra)
-                    for extra in ((), COMPILED) for ranks, zero in ((1, 0), (2, 3))]
-            runs.append(run_dschat("sft", args.model, batch // 2, *common, work))
-        else:
-            batch = args.global_batch or 4
-            runs = [run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work),
-                    run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=("--pack_pairs", "false"))]
-            if args.stage == "dpo":  # the reference's forwards on its gathered copy (default), kept, and through the engine
-                runs += [run_rlhfkit("dpo", args.model, 2, 3, batch // 2, *common, work, extra=(flag, value))
-                         for flag, value in (("--keep_reference_copy", "true"), ("--reference_on_copy", "false"))]
-            runs.append(run_rlhfkit(args.stage, args.model, 2, 3, batch // 2, *common, work, extra=COMPILED))
-            if args.stage == "reward":
-                runs.append(run_dschat("reward", args.model, batch // 2, *common, work))
+        runs = run_stage(args, work)
     after = {"bf16": matmul_peak(bf16_products, threads), "fp32": matmul_peak("float32", threads)}
     peaks = {k: max(before[k], after[k]) for k in before}
-    for r in runs:
-        achieved = r["tokens_per_s"] * flop_per_token / 1e9
-        r["model_gflops"] = achieved
-        r["fraction_of_bf16_peak"] = achieved / peaks["bf16"]
-        r["fraction_of_fp32_peak"] = achieved / peaks["fp32"]
-        if args.stage != "sft":
-            r["pairs_per_s"] = r["samples_per_s"] / 2
-    unit = "samples/s" if args.stage == "sft" else "pairs/s"
-    key = "samples_per_s" if args.stage == "sft" else "pairs_per_s"
+    add_rates(runs, args.stage, flop_per_token, peaks)
     print(f"\nmatmul peak on {threads} threads (higher of before / after the runs: bf16 {before['bf16']:.0f} / {after['bf16']:.0f}): "
           f"bf16 {peaks['bf16']:.0f} GFLOP/s"
           f"{' (fp32 products: no oneDNN bf16 kernels)' if bf16_products == 'float32' else ''}, fp32 {peaks['fp32']:.0f} GFLOP/s; "
           f"model {n_params / 1e6:.0f}M params, {flop_per_token / 1e9:.2f} GFLOP per trained token")
-    print(f"{'setup':<48}{'s/step':>8}{unit:>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}")
-    for r in runs:
-        print(f"{r['name']:<48}{r['seconds_per_step']:>8.2f}{r[key]:>11.2f}{r['tokens_per_s']:>10.0f}"
-              f"{r['model_gflops']:>9.0f}{r['fraction_of_bf16_peak']:>9.1%}")
-    summary = {"peaks_gflops": peaks, "peaks_before_after": [before, after], "params": n_params, "stage": args.stage, "runs": runs}
-    if args.stage == "sft":
-        summary["zero3_over_zero0"] = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
-        print(f"2-rank ZeRO-3 / 1-rank ZeRO-0 samples/s: {summary['zero3_over_zero0']:.2f}")
-        summary["compiled_over_eager"] = [runs[2]["tokens_per_s"] / runs[0]["tokens_per_s"],
-                                          runs[3]["tokens_per_s"] / runs[1]["tokens_per_s"]]
-        print("--compile_blocks / eager tokens/s: {:.2f} (1 rank ZeRO-0), {:.2f} (2 ranks ZeRO-3)".format(*summary["compiled_over_eager"]))
-    else:
-        summary["compiled_over_eager"] = runs[-2 if args.stage == "reward" else -1]["tokens_per_s"] / runs[0]["tokens_per_s"]
-        print(f"--compile_blocks / eager tokens/s, packed, 2 ranks ZeRO-3: {summary['compiled_over_eager']:.2f}")
-        summary["packed_over_apart"] = runs[0][key] / runs[1][key]
-        print(f"packed pairs / pairs in separate rows, pairs/s: {summary['packed_over_apart']:.2f}")
-    if args.stage == "dpo":
-        summary["copy_over_engine"] = runs[0][key] / runs[3][key]
-        summary["kept_copy_over_engine"] = runs[2][key] / runs[3][key]
-        print(f"reference on a gathered copy / through the ZeRO-3 engine, {unit}: {summary['copy_over_engine']:.2f} "
-              f"(kept copy: {summary['kept_copy_over_engine']:.2f})")
-    else:
-        summary["rlhfkit_over_dschat"] = runs[1 if args.stage == "sft" else 0][key] / runs[-1][key]
-        print(f"rlhfkit / DeepSpeed-Chat recipe, both 2-rank ZeRO-3, {unit}: {summary['rlhfkit_over_dschat']:.2f} (target >= 1.5)")
+    print_table(runs, args.stage)
+    summary = {"peaks_gflops": peaks, "peaks_before_after": [before, after], "params": n_params, "stage": args.stage,
+               "runs": runs, **ratios(runs, args.stage)}
     print("(tokens/s count every real token a recipe computes: separate rows count a pair's prompt twice, packed pairs once)")
     if args.stage != "dpo":
         print("fixed reference on this machine type: DeepSpeed-Chat step 1 ~0.80 samples/s, step 2 ~0.53 pairs/s")
