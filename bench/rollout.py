@@ -197,10 +197,10 @@ def main() -> None:
     plain, backends = build_models(args, DTYPES[args.dtype], device)
 
     # warm-up (first-call overheads)
-    warm = rank_prompts(tok, rank, 1, device)
-    plain_generate(plain, warm, greedy_config(2, tok.eos_token_id))
+    warm, warm_gen = rank_prompts(tok, rank, 1, device), greedy_config(2, tok.eos_token_id)
+    plain_generate(plain, warm, warm_gen)
     for b in backends.values():
-        b.generate(warm, greedy_config(2, tok.eos_token_id))
+        b.generate(warm, warm_gen)
 
     synced_sizes = parse_sizes(args.synced_batch_sizes or args.batch_sizes)
     rows = []

@@ -143,9 +143,14 @@ def add_rates(runs: list[dict], stage: str, flop_per_token: float, peaks: dict) 
             r["pairs_per_s"] = r["samples_per_s"] / 2
 
 
+def rate_key(stage: str) -> tuple[str, str]:
+    """(the run's rate key, its unit): sequences for step 1, pairs for the pair stages."""
+    return ("samples_per_s", "samples/s") if stage == "sft" else ("pairs_per_s", "pairs/s")
+
+
 def ratios(runs: list[dict], stage: str) -> dict:
     """The same-run ratios (keyed as in the JSON summary), each printed with what it compares."""
-    key, unit = ("samples_per_s", "samples/s") if stage == "sft" else ("pairs_per_s", "pairs/s")
+    key, unit = rate_key(stage)
     out = {}
     if stage == "sft":
         out["zero3_over_zero0"] = runs[1]["samples_per_s"] / runs[0]["samples_per_s"]
@@ -170,7 +175,7 @@ def ratios(runs: list[dict], stage: str) -> dict:
 
 
 def print_table(runs: list[dict], stage: str) -> None:
-    key, unit = ("samples_per_s", "samples/s") if stage == "sft" else ("pairs_per_s", "pairs/s")
+    key, unit = rate_key(stage)
     print(f"{'setup':<48}{'s/step':>8}{unit:>11}{'tokens/s':>10}{'GFLOP/s':>9}{'of bf16':>9}")
     for r in runs:
         print(f"{r['name']:<48}{r['seconds_per_step']:>8.2f}{r[key]:>11.2f}{r['tokens_per_s']:>10.0f}"
