@@ -41,7 +41,7 @@ def given_prompt_rows(paths: list[str], seed: int, n: int) -> tuple[list, list, 
 
 def held_out_prompt_rows(actor: str, actor_manifest: dict, n: int) -> tuple[list, list, str]:
     """(rows, sources, origin in words): the step-3 prompts the actor's run held out, re-created from
-    its manifest (data_path, data_split, seed, eval_fraction, max_eval_samples); neither model trained on them."""
+    its manifest (data_path, data_split, seed, eval_fraction, max_eval_samples, max_per_prompt); neither model trained on them."""
     from rlhfkit.data import load_phase_data
 
     config = (actor_manifest or {}).get("config") or {}
@@ -53,7 +53,8 @@ def held_out_prompt_rows(actor: str, actor_manifest: dict, n: int) -> tuple[list
     try:
         _, rows, sources = load_phase_data(data_path, phase=3, need="prompts", data_split=config.get("data_split", "2,4,4"),
                                            seed=config.get("seed", 1234), eval_fraction=config.get("eval_fraction", 0.05),
-                                           strict=bool(config.get("strict", False)), max_eval=config.get("max_eval_samples"))
+                                           strict=bool(config.get("strict", False)), max_eval=config.get("max_eval_samples"),
+                                           max_per_prompt=config.get("max_per_prompt"))
     except DataError as e:
         raise DataError(f"the held-out step-3 prompts of --actor {actor} (data {data_path} from its manifest) "
                         f"cannot be re-created: {e} Pass --prompts DATA instead.") from None

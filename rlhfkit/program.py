@@ -104,7 +104,7 @@ def load_split(cfg: Any, *, phase: int, need: str, tokenize: Callable, tokenizer
 
     train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=phase, need=need, data_split=cfg.data_split,
                                                      seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
-                                                     max_eval=cfg.max_eval_samples)
+                                                     max_eval=cfg.max_eval_samples, max_per_prompt=cfg.max_per_prompt)
     train_set, train_report = tokenize(train_rows, tokenizer, cfg.max_seq_len)
     eval_set, eval_report = (tokenize_eval or tokenize)(eval_rows, tokenizer, cfg.max_seq_len)
     for s in sources:

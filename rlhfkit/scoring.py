@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> None:
     if split == "heldout":
         _, rows, _ = load_phase_data(data_path, phase=2, need="pairs", data_split=train_cfg.get("data_split", "2,4,4"),
                                      seed=train_cfg.get("seed", 1234), eval_fraction=train_cfg.get("eval_fraction", 0.1),
-                                     max_eval=train_cfg.get("max_eval_samples"))
+                                     max_eval=train_cfg.get("max_eval_samples"), max_per_prompt=train_cfg.get("max_per_prompt"))
     else:
         rows, extra, _ = load_phase_data(data_path, phase=1, need="pairs", data_split="1,0,0", eval_fraction=0.0)
         rows = rows + extra

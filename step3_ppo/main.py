@@ -69,7 +69,7 @@ def load_prompts(cfg: Step3Config, tokenizer) -> Prompts:
     """Step 3's share of each source, chat-templated, left-truncated at a turn boundary."""
     train_rows, eval_rows, sources = load_phase_data(cfg.data_path, phase=3, need="prompts", data_split=cfg.data_split,
                                                      seed=cfg.seed, eval_fraction=cfg.eval_fraction, strict=cfg.strict,
-                                                     max_eval=cfg.max_eval_samples)
+                                                     max_eval=cfg.max_eval_samples, max_per_prompt=cfg.max_per_prompt)
     if cfg.prompt_suffix:
         train_rows, eval_rows = with_prompt_suffix(train_rows, cfg.prompt_suffix), with_prompt_suffix(eval_rows, cfg.prompt_suffix)
     train, report = tokenize_prompts(train_rows, tokenizer, cfg.max_prompt_seq_len)

@@ -5,7 +5,8 @@ For each source separately:
   2. take this phase's share of a seeded permutation of the rows, grouped by prompt (splits.py);
   3. convert the share's rows, skipping (and counting) those unusable for ``need``,
      or raising on the first one under ``strict``;
-  4. cut the usable rows into train and eval.
+  4. keep at most ``max_per_prompt`` usable rows of each prompt (a seeded draw), when given;
+  5. cut the usable rows into train and eval.
 The sources' train lists are concatenated (blended), and so are their eval lists. A row whose prompt an
 earlier source already holds (MGSM's English problems are GSM8K's first 250) is dropped from the later
 source before its split, and counted: no prompt is trained on from one file and held out from another.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from rlhfkit.data.formats import NEEDS, Example, Skip, convert_row, detect_format
 from rlhfkit.data.sources import read_source, split_paths
-from rlhfkit.data.splits import STEP_NAMES, cut_eval, group_ids, parse_data_split, phase_rows
+from rlhfkit.data.splits import STEP_NAMES, cap_per_group, cut_eval, group_ids, parse_data_split, phase_rows
 from rlhfkit.errors import ConfigError, DataError
 
 FIRST_SKIPS = 5  # how many (row, reason) examples a report keeps
@@ -40,15 +41,17 @@ class SourceReport:
     format: str  # "hh-rlhf (jsonl.gz)": row format (container)
     sha256: str  # of the file's bytes (directory / hub: of its parts)
     rows: int  # rows in the whole source
-    kept: int  # usable rows in this phase's share (= train_rows + eval_rows)
+    kept: int  # usable rows in this phase's share, after --max_per_prompt (= train_rows + eval_rows)
     skipped: dict[str, int]  # reason -> count, among this phase's share
     first_skips: list[tuple[int, str]]  # the first few (row, reason), by row number
     phase: int = 0
     need: str = ""
-    share_rows: int = 0  # rows in this phase's share (= kept + skipped)
+    share_rows: int = 0  # rows in this phase's share (= kept + skipped + over_cap)
     train_rows: int = 0
     eval_rows: int = 0
     duplicates: int = 0  # rows whose prompt an earlier source holds, dropped before the split
+    over_cap: int = 0  # usable rows dropped by --max_per_prompt
+    max_per_prompt: int | None = None
 
     def summary(self) -> str:
         line = (
@@ -58,6 +61,8 @@ class SourceReport:
         )
         if self.duplicates:
             line += f"; {self.duplicates} rows dropped before the split: their prompts are in an earlier --data_path"
+        if self.over_cap:
+            line += f"; {self.over_cap} rows dropped by --max_per_prompt {self.max_per_prompt} (at most that many per prompt)"
         if not self.skipped:
             return line + ", none skipped"
         return f"{line}\n  {self.skips_text()}"
@@ -78,6 +83,7 @@ def load_phase_data(
     eval_fraction: float = 0.1,
     strict: bool = False,
     max_eval: int | None = None,
+    max_per_prompt: int | None = None,
 ) -> tuple[list[Example], list[Example], list[SourceReport]]:
     """(train, eval, reports) for one step.
 
@@ -87,6 +93,10 @@ def load_phase_data(
     eval_fraction: part of each source's usable share held out for eval (>= 1 row when there
         are >= 2); max_eval caps the eval rows taken from each source (the rest stay in train).
     strict: raise DataError on the first unusable row instead of skipping and counting it.
+    max_per_prompt: keep at most this many usable rows of each prompt (a seeded draw), held-out and
+        training alike. Preference sets with several pairs per instruction (AlpacaEval's) give one
+        instruction's pairs as much weight as its number of pairs, and their held-out pairs are not
+        independent; 1 keeps one pair per instruction.
     """
     if phase not in (1, 2, 3):
         raise ConfigError(f"phase must be 1, 2 or 3, not {phase!r}")
@@ -94,6 +104,8 @@ def load_phase_data(
         raise ConfigError(f"need must be one of {', '.join(NEEDS)}, not {need!r}")
     if not 0 <= eval_fraction < 1:
         raise ConfigError(f"eval_fraction must be in [0, 1), not {eval_fraction!r}")
+    if max_per_prompt is not None and max_per_prompt < 1:
+        raise ConfigError(f"--max_per_prompt must be at least 1 (or left unset: every row), not {max_per_prompt}")
     fractions = parse_data_split(data_split)
     if fractions[phase - 1] == 0:
         raise DataError(
@@ -111,7 +123,7 @@ def load_phase_data(
     seen: set[str] = set()  # prompt keys of the sources read so far
     for path in sources:
         t, e, report = _load_source(path, phase, need, data_split, fractions, seed,
-                                    eval_fraction, strict, max_eval, seen)
+                                    eval_fraction, strict, max_eval, seen, max_per_prompt)
         train += t
         evals += e
         reports.append(report)
@@ -132,7 +144,8 @@ def prompt_key(fmt, raw, row: int):
         return row
 
 
-def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval, seen):
+def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval, seen,
+                 max_per_prompt=None):
     raw = read_source(path)
     fmt = detect_format(raw)
     if _ORDER[fmt.provides] < _ORDER[need]:
@@ -186,6 +199,9 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             f"its format ({report.format}), or run with --strict to stop at the first bad row."
         )
     kept = [i for i in share if i in usable]
+    if max_per_prompt is not None:
+        capped = cap_per_group(kept, [groups[i] for i in kept], max_per_prompt, seed)
+        report.over_cap, report.max_per_prompt, report.kept, kept = len(kept) - len(capped), max_per_prompt, len(capped), capped
     train, evals = cut_eval([usable[i] for i in kept], eval_fraction, max_eval, [groups[i] for i in kept])
     report.train_rows, report.eval_rows = len(train), len(evals)
     return train, evals, report

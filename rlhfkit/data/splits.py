@@ -97,6 +97,18 @@ def cut_eval(items: list[T], eval_fraction: float, max_eval: int | None = None,
     return items[k:], items[:k]
 
 
+def cap_per_group(items: list[T], groups: Sequence, cap: int, seed: int) -> list[T]:
+    """``items`` (in order) with at most ``cap`` of each group kept: a seeded draw within each group
+    (a ``numpy.random.RandomState`` stream of ``seed`` apart from the split's, so every rank keeps the same
+    rows), not the first in file order, which a file sorted by model or date would bias."""
+    draw = np.random.RandomState((seed + 0x9E3779B9) % 2**32).random_sample(len(items))
+    ranked: dict = {}
+    for i in sorted(range(len(items)), key=lambda i: draw[i]):
+        ranked.setdefault(groups[i], []).append(i)
+    keep = {i for members in ranked.values() for i in members[:cap]}
+    return [item for i, item in enumerate(items) if i in keep]
+
+
 def group_ids(keys: Sequence) -> list[int]:
     """Each key's group number, in order of first appearance: ["b", "a", "b"] -> [0, 1, 0]."""
     numbers: dict = {}

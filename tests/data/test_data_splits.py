@@ -7,7 +7,8 @@ import json
 import pytest
 
 from rlhfkit.data import cut_eval, load_phase_data, parse_data_split, phase_rows
-from rlhfkit.errors import DataError
+from rlhfkit.data.splits import cap_per_group
+from rlhfkit.errors import ConfigError, DataError
 
 N = 50
 ROWS = [{"prompt": f"question {i}", "chosen": f"good {i}", "rejected": f"bad {i}", "id": i} for i in range(N)]
@@ -55,6 +56,39 @@ def test_rows_of_one_prompt_stay_together_in_shares_and_in_the_eval_cut(tmp_path
         prompts.append(in_train | in_eval)
     assert [len(p) for p in prompts] == [6, 12, 12]  # 30 prompts cut 2,4,4
     assert not (prompts[0] & prompts[1]) and not (prompts[1] & prompts[2]) and not (prompts[0] & prompts[2])
+
+
+def test_max_per_prompt_keeps_that_many_rows_of_each_prompt(tmp_path):
+    """30 instructions x 4 pairs: --max_per_prompt 1 keeps one pair of each of the share's instructions, the
+    same prompts as without the cap, held-out ones held out; the rows kept are a seeded draw, not the first."""
+    rows = [{"prompt": f"instruction {i // 4}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    rows += [{"prompt": "instruction 0", "chosen": "late good", "rejected": "late bad"}]  # a group not adjacent in the file
+    path = tmp_path / "grouped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = lambda exs: [ex.prompt[-1]["content"] for ex in exs]  # noqa: E731
+    full_train, full_eval, _ = load_phase_data(str(path), 2, "pairs", eval_fraction=0.25)
+    train, evals, [report] = load_phase_data(str(path), 2, "pairs", eval_fraction=0.25, max_per_prompt=1)
+    assert set(prompts(train)) == set(prompts(full_train)) and set(prompts(evals)) == set(prompts(full_eval))
+    assert len(prompts(train)) == len(set(prompts(train))) and len(prompts(evals)) == len(set(prompts(evals)))
+    assert (report.kept, report.train_rows + report.eval_rows) == (12, 12)  # 30 prompts cut 2,4,4: 12 in phase 2
+    assert report.over_cap == len(full_train + full_eval) - 12 and "dropped by --max_per_prompt 1" in report.summary()
+    picked = [int(ex.chosen.split()[-1]) % 4 for ex in train + evals if ex.chosen != "late good"]
+    assert len(set(picked)) > 1  # not always the first pair of a prompt
+    two, _, [r2] = load_phase_data(str(path), 2, "pairs", eval_fraction=0.25, max_per_prompt=2)
+    assert r2.kept == 24 and max(prompts(two).count(p) for p in prompts(two)) == 2
+    assert load_phase_data(str(path), 2, "pairs", eval_fraction=0.25, max_per_prompt=1) == (train, evals, [report])
+    with pytest.raises(ConfigError, match="--max_per_prompt must be at least 1"):
+        load_phase_data(str(path), 2, "pairs", max_per_prompt=0)
+
+
+def test_cap_per_group_by_hand():
+    items, groups = list("abcdefg"), [0, 0, 1, 0, 1, 2, 1]
+    kept = cap_per_group(items, groups, 1, seed=0)
+    assert sorted(groups[items.index(x)] for x in kept) == [0, 1, 2]  # one of each group
+    assert kept == sorted(kept, key=items.index)  # in the given order
+    assert cap_per_group(items, groups, 3, seed=0) == items
+    assert cap_per_group(items, groups, 2, seed=5) == cap_per_group(items, groups, 2, seed=5)
+    assert len({tuple(cap_per_group(items, groups, 1, seed=s)) for s in range(20)}) > 1  # seeded, not fixed
 
 
 def test_grouped_cut_by_hand():
@@ -200,3 +234,18 @@ def test_prompts_of_an_earlier_source_are_dropped_before_the_split(tmp_path, pai
 def test_a_source_of_only_duplicate_prompts_is_an_error(pairs_file):
     with pytest.raises(DataError, match="every prompt of its 50 rows is already in an earlier --data_path"):
         load_phase_data([pairs_file, pairs_file], 3, "prompts")
+
+
+def test_held_out_prompts_are_recreated_with_the_runs_max_per_prompt(tmp_path):
+    """`rlhfkit eval` re-creates step 3's held-out prompts from the actor's manifest, --max_per_prompt included:
+    the same prompts step 3 held out, one row each."""
+    from rlhfkit.eval_prompts import held_out_prompt_rows
+
+    rows = [{"prompt": f"instruction {i // 4}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(120)]
+    path = tmp_path / "grouped.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"data_path": [str(path)], "data_split": "0,0,1", "seed": 3, "eval_fraction": 0.2, "max_eval_samples": None,
+              "max_per_prompt": 1}
+    got, _, _ = held_out_prompt_rows("actor", {"stage": "actor", "config": config}, 64)
+    _, step3_eval, _ = load_phase_data(str(path), 3, "prompts", data_split="0,0,1", seed=3, eval_fraction=0.2, max_per_prompt=1)
+    assert got == step3_eval and len(got) == 6  # 20% of 30 prompts, once each
