@@ -31,8 +31,6 @@ RK_LAUNCH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$RK_LAUNCH/.." && pwd)"
 # shellcheck disable=SC2034  # used by the scripts that source this file
 RK_DEFAULT_DATA="$(realpath -m "$REPO/../shared/data/hh-rlhf-harmless-base/pairs.jsonl.gz")"
-# shellcheck disable=SC2034  # the helpfulness pairs the default pipeline blends in
-RK_HELPFUL_DATA="$(realpath -m "$REPO/../shared/data/alpaca-eval-prefs/pairs.jsonl.gz")"
 # shellcheck disable=SC2034
 RK_DEFAULT_RUN_DIR="$REPO/runs/default"
 

@@ -9,7 +9,6 @@
 #                      [--step1_args "..."] [--step2_args "..."] [--step3_args "..."]
 #
 # --out      run directory (default: <repo>/runs/pipeline-SIZE): base/, step1/, step2/, step3/
-# --data     default: the preset's (small: hh-rlhf harmless + AlpacaEval helpfulness pairs; the others: hh harmless)
 # --size     preset of steps, lengths and batches (below): tiny (seconds-minutes, a smoke test),
 #            small (default; about 20 min on a 2-core CPU with AVX-512 bf16, SmolLM2-135M), quality (more data per stage, an
 #            independent judge, win rates; 63 min on 2 AVX-512 cores), full (one epoch, GPUs)
@@ -28,10 +27,8 @@
 # JUDGE_SPLIT (a share no other stage trains on), never used in training; it scores step 3's held-out evaluation
 # and rlhfkit eval's win rates. Empty: no judge. EVAL_FLAGS: rlhfkit eval's prompts and samples.
 # An empty value leaves the program's default (no step cap = one epoch of the step's share).
-# PRESET_DATA: the data when --data is not given.
 preset() {
   JUDGE_SPLIT="" JUDGE_FLAGS="" EVAL_FLAGS=""
-  PRESET_DATA=("$RK_DEFAULT_DATA")
   case "$1" in
     tiny)   # a handful of steps each: does everything run? (cpu_smoke.sh)
       DATA_SPLIT=2,4,4
@@ -51,11 +48,6 @@ preset() {
             # the frozen features (--fit_head_only); 20% of each of steps 2 and 3's shares is held out, so step 2
             # is judged on >= 128 pairs and step 3 on 64 prompts x 3 sampled responses.
       DATA_SPLIT=2,6,2
-      # harmlessness pairs alone give a reward model that prefers the rejected helpfulness answer (README "Which
-      # preference data"); one AlpacaEval pair per instruction (--max_per_prompt 1) beside them keeps the hh accuracy
-      # and lifts the helpfulness one (cross-validated on training pairs). Step 2 holds out 36% of its share: >= 128
-      # pairs of each set. Step 3 holds out at most 48 prompts of each source (48 hh + 24 helpfulness).
-      PRESET_DATA=("$RK_DEFAULT_DATA" "$RK_HELPFUL_DATA")
       # sized for 20 minutes on an AMD Zen 4 with AVX-512 bf16 too, whose bf16 products run at about a third of
       # the Xeon's: 24 SFT steps, step-3 prompts cut to their last 96 tokens, 3 held-out samples per prompt
       SFT_STEPS=24  SFT_MICRO=4  SFT_ACCUM=1  SFT_SEQ=256
@@ -65,10 +57,9 @@ preset() {
       # raised the held-out reward more but collapsed the answers to 10-20 tokens (KL 0.19-0.44 nats/token)
       SFT_LR=2e-5   RM_LR=""     ACTOR_LR=1e-5  CRITIC_LR=1e-5
       SFT_EVAL=32   RM_EVAL=""
-      SFT_FLAGS="--max_per_prompt 1"
-      RM_FLAGS="--fit_head_only --eval_fraction 0.36 --per_device_eval_batch_size 8 --max_per_prompt 1"
-      PPO_FLAGS="--normalize_reward --eval_fraction 0.2 --max_eval_samples 48 --per_device_eval_batch_size 8"
-      PPO_FLAGS+=" --eval_n_samples_per_prompt 3 --max_per_prompt 1"
+      SFT_FLAGS=""
+      RM_FLAGS="--fit_head_only --eval_fraction 0.2 --per_device_eval_batch_size 8"
+      PPO_FLAGS="--normalize_reward --eval_fraction 0.2 --per_device_eval_batch_size 8 --eval_n_samples_per_prompt 3"
       RUN_EVAL=0 ;;  # step 3's own held-out evaluation compares the actor with the step-1 model; rlhfkit eval
                      # would repeat it with win rates (~3 min more): run it by hand, the command is printed
     quality)  # issue 21's longer recipe (measured on 2 cores: SFT 14 min, each reward model 12-14 min, a held-out
@@ -108,7 +99,7 @@ preset() {
 # shellcheck source=launch/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 rk_option out ""
-rk_option data "" list
+rk_option data "$RK_DEFAULT_DATA" list
 rk_option size small
 rk_option algo ppo
 rk_option model ""
@@ -120,7 +111,6 @@ rk_option step3_args ""
 rk_parse "$@"
 [ ${#RK_PASSTHROUGH[@]} -eq 0 ] || rk_die "unknown argument(s): ${RK_PASSTHROUGH[*]} (use --step1_args/--step2_args/--step3_args for program flags)"
 preset "$SIZE"
-[ ${#DATA[@]} -gt 0 ] || DATA=("${PRESET_DATA[@]}")
 RUN=${OUT:-$REPO/runs/pipeline-$SIZE}
 mkdir -p "$RUN"
 RUN=$(cd "$RUN" && pwd)
