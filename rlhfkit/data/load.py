@@ -62,7 +62,8 @@ class SourceReport:
         if self.duplicates:
             line += f"; {self.duplicates} rows dropped before the split: their prompts are in an earlier --data_path"
         if self.over_cap:
-            line += f"; {self.over_cap} rows dropped by --max_per_prompt {self.max_per_prompt} (at most that many per prompt)"
+            rows = "row" if self.over_cap == 1 else "rows"
+            line += f"; {self.over_cap} {rows} dropped by --max_per_prompt {self.max_per_prompt} (at most that many per prompt)"
         if not self.skipped:
             return line + ", none skipped"
         return f"{line}\n  {self.skips_text()}"
