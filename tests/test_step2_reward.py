@@ -125,13 +125,15 @@ def longer_pair_data(tmp_path_factory):
 
 @pytest.mark.distributed
 def test_reward_program_zero3_learns_exports_and_evaluates(tiny_dir, pair_data, longer_pair_data, tmp_path):
-    """Two preference sets: held-out figures for all pairs and for each set, the same as scoring each set alone."""
+    """Two preference sets: held-out figures for all pairs and for each set, the same as scoring each set alone
+    (with the run's --max_per_prompt: each prompt has 3 and 2 rows, 2 kept)."""
     out = tmp_path / "rm"
     args = ["--model_name_or_path", str(tiny_dir), "--data_path", str(pair_data), str(longer_pair_data), "--output_dir", str(out),
             "--data_split", "0,1,0", "--eval_fraction", "0.25", "--max_seq_len", "64", "--dtype", "fp32",
             "--zero_stage", "3", "--learning_rate", "3e-3", "--per_device_train_batch_size", "2", "--num_train_epochs", "4",
-            "--lr_scheduler_type", "constant", "--progress_bar", "false"]
+            "--lr_scheduler_type", "constant", "--progress_bar", "false", "--max_per_prompt", "2"]
     proc = run_program("step2_reward/main.py", args, nprocs=2)
+    assert "8 rows dropped by --max_per_prompt 2" in proc.stdout  # 8 prompts x 3 rows of pair_data -> 16
     rows = [json.loads(x) for x in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     train_acc = [r["train/accuracy"] for r in rows if "train/accuracy" in r]
     assert sum(train_acc[-3:]) / 3 > 0.75, train_acc  # well above chance on the training pairs
