@@ -24,7 +24,7 @@ Each ``--judge`` (another reward model) scores every response too, on its own. R
 
 Prompts: ``--prompts`` (any supported data path: all of its prompts, seeded shuffle, first ``--n``),
 or by default the held-out step-3 prompts re-created from the actor's manifest (its data_path,
-data_split, seed, eval_fraction, max_eval_samples), which neither model trained on.
+data_split, seed, eval_fraction, max_eval_samples, max_per_prompt), which neither model trained on.
 
 Output (``--out``): ``report.md``, ``results.json`` (every number and one row per prompt and sample;
 the same seed gives the same file), ``reward_hist.png``, ``reward_vs_length.png`` (and

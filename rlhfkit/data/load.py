@@ -202,7 +202,8 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
     kept = [i for i in share if i in usable]
     if max_per_prompt is not None:
         capped = cap_per_group(kept, [groups[i] for i in kept], max_per_prompt, seed)
-        report.over_cap, report.max_per_prompt, report.kept, kept = len(kept) - len(capped), max_per_prompt, len(capped), capped
+        report.over_cap, report.max_per_prompt, report.kept = len(kept) - len(capped), max_per_prompt, len(capped)
+        kept = capped
     train, evals = cut_eval([usable[i] for i in kept], eval_fraction, max_eval, [groups[i] for i in kept])
     report.train_rows, report.eval_rows = len(train), len(evals)
     return train, evals, report
