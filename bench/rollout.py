@@ -110,7 +110,7 @@ def plain_generate(plain, prompts: PromptBatch, gen: GenerationConfig) -> torch.
     return out[:, prompts.input_ids.shape[1]:]
 
 
-def hf_generate(backend, prompts: PromptBatch, gen: GenerationConfig, gathers: list[float]):
+def hf_rollout(backend, prompts: PromptBatch, gen: GenerationConfig, gathers: list[float]):
     """The `hf` backend's rollout; its gather time is appended to ``gathers``."""
     out = backend.generate(prompts, gen)
     gathers.append(backend.last_timings["gather"])
@@ -144,7 +144,7 @@ def measure(args, prompts: PromptBatch, plain, backends: dict, eos: int, synced_
     gen, gathers = greedy_config(args.new_tokens, eos), []
     plain_out, t, cpu = timed(functools.partial(plain_generate, plain, prompts, gen), args.repeats)
     row["plain_s"], row["plain_cpu_s"], row["plain_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
-    hf_out, t, cpu = timed(functools.partial(hf_generate, backends["hf"], prompts, gen, gathers), args.repeats)
+    hf_out, t, cpu = timed(functools.partial(hf_rollout, backends["hf"], prompts, gen, gathers), args.repeats)
     gather = torch.tensor([min(gathers)])
     torch.distributed.all_reduce(gather, op=torch.distributed.ReduceOp.MAX)
     row["hf_s"], row["hf_cpu_s"], row["hf_tok_s"] = t, cpu, world * bsz * args.new_tokens / t
@@ -156,8 +156,8 @@ def measure(args, prompts: PromptBatch, plain, backends: dict, eos: int, synced_
         row["synced_new_tokens"] = synced_tokens
         row["hf_synced_s"], row["hf_synced_cpu_s"] = t, cpu
         row["hf_synced_tok_s"] = world * bsz * synced_tokens / t
-        n = synced_tokens
-        same &= torch.tensor([int(torch.equal(hf_out.response_ids[:, :n], synced_out.response_ids[:, :n]))])
+        agree = torch.equal(hf_out.response_ids[:, :synced_tokens], synced_out.response_ids[:, :synced_tokens])
+        same &= torch.tensor([int(agree)])
         row["hf_over_hf_synced"] = row["hf_tok_s"] / row["hf_synced_tok_s"]
     torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
     row["greedy_tokens_identical"] = bool(same)

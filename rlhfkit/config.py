@@ -48,6 +48,11 @@ class ModelArgs(LoadArgs):
         "without bf16 kernels), else the model's default.")
 
 
+MAX_PER_PROMPT_HELP = ("At most this many rows of each prompt in this step's share, training and held-out alike (a seeded "
+                       "draw; None: all). AlpacaEval-style sets hold several pairs per instruction: 1 weighs every "
+                       "instruction once and keeps held-out pairs independent.")
+
+
 @dataclass
 class DataArgs:
     data_path: list[str] = arg(
@@ -55,9 +60,7 @@ class DataArgs:
     data_split: str = arg("2,4,4", "Shares of each data source for steps 1,2,3 (DeepSpeed-Chat style), e.g. 2,4,4 or 10,0,0.")
     eval_fraction: float = arg(0.1, "Fraction of this step's share held out for evaluation.")
     max_eval_samples: Optional[int] = arg(None, "Cap on the held-out evaluation set (None: all of it).")
-    max_per_prompt: Optional[int] = arg(None, "At most this many rows of each prompt in this step's share, training "
-                                              "and held-out alike (a seeded draw; None: all). AlpacaEval-style sets hold several pairs per "
-                                              "instruction: 1 weighs every instruction once and keeps held-out pairs independent.")
+    max_per_prompt: Optional[int] = arg(None, MAX_PER_PROMPT_HELP)
     max_seq_len: int = arg(512, "Maximum tokens of prompt + response; prompts are left-truncated first, then responses cut.")
     strict: bool = arg(False, "Fail on the first malformed data row instead of skipping and counting it.")
     group_by_length: bool = arg(True, "Batch training rows of similar length together (less padding; same rows per epoch).")

@@ -10,7 +10,7 @@ from typing import Optional
 from rlhfkit.algos.advantages import REWARD_SCALES
 from rlhfkit.algos.kl import KL_ESTIMATORS
 from rlhfkit.algos.losses import LOSS_AGG_MODES
-from rlhfkit.config import AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeArgs, arg, require
+from rlhfkit.config import MAX_PER_PROMPT_HELP, AdamArgs, LoadArgs, LogArgs, RunLengthArgs, RuntimeArgs, arg, require
 from rlhfkit.errors import ConfigError
 from rlhfkit.rl import ALGOS, GSPO_CLIP_EPS, KL_PLACEMENTS, POLICY_LOSSES, AlgoSpec, with_kl_placement
 from rlhfkit.rollout import DEFAULT_ROLLOUT_BACKEND, ROLLOUT_BACKENDS, RolloutOptions
@@ -59,9 +59,7 @@ class Step3Data:
     eval_fraction: float = arg(0.05, "Fraction of the step-3 share held out to compare the actor with the step-1 model.")
     max_eval_samples: Optional[int] = arg(64, "Cap on held-out prompts (None: all of --eval_fraction; the rest of it is trained "
                                               "on). Enough prompts that the held-out reward's standard error can show a gain.")
-    max_per_prompt: Optional[int] = arg(None, "At most this many rows of each prompt in this step's share, training "
-                                              "and held-out alike (a seeded draw; None: all). AlpacaEval-style sets hold several pairs per "
-                                              "instruction: 1 weighs every instruction once and keeps held-out pairs independent.")
+    max_per_prompt: Optional[int] = arg(None, MAX_PER_PROMPT_HELP)
     eval_n_samples_per_prompt: int = arg(4, "Held-out evaluation: responses sampled per prompt at temperature 1, top_p 1, top_k 0 "
                                             "(the policy's own distribution, whatever the rollout settings), so the reward averages "
                                             "over what the policy does and the KL to the reference (k3 on the actor's own samples) "

@@ -188,10 +188,13 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             if len(first_skips) < FIRST_SKIPS:
                 first_skips.append((row, s.reason))
 
+    ordered = [i for i in share if i in usable]  # the share's permuted order
+    kept = ordered if max_per_prompt is None else cap_per_group(ordered, [groups[i] for i in ordered], max_per_prompt, seed)
     report = SourceReport(
         path=path, format=f"{fmt.name} ({raw.container})", sha256=raw.sha256, rows=len(raw.rows),
-        kept=len(usable), skipped=dict(skipped), first_skips=first_skips, phase=phase, need=need,
-        share_rows=len(share), duplicates=len(raw.rows) - len(rows),
+        kept=len(kept), skipped=dict(skipped), first_skips=first_skips, phase=phase, need=need,
+        share_rows=len(share), duplicates=len(raw.rows) - len(rows), over_cap=len(ordered) - len(kept),
+        max_per_prompt=max_per_prompt,
     )
     if not usable:
         raise DataError(
@@ -199,11 +202,6 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
             f"{len(share)} rows of its share were {report.skips_text()}. Check the file against "
             f"its format ({report.format}), or run with --strict to stop at the first bad row."
         )
-    kept = [i for i in share if i in usable]
-    if max_per_prompt is not None:
-        capped = cap_per_group(kept, [groups[i] for i in kept], max_per_prompt, seed)
-        report.over_cap, report.max_per_prompt, report.kept = len(kept) - len(capped), max_per_prompt, len(capped)
-        kept = capped
     train, evals = cut_eval([usable[i] for i in kept], eval_fraction, max_eval, [groups[i] for i in kept])
     report.train_rows, report.eval_rows = len(train), len(evals)
     return train, evals, report

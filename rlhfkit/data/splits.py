@@ -17,6 +17,7 @@ DeepSpeed-Chat's.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Sequence, TypeVar
 
 import numpy as np
@@ -102,10 +103,12 @@ def cap_per_group(items: list[T], groups: Sequence, cap: int, seed: int) -> list
     (a ``numpy.random.RandomState`` stream of ``seed`` apart from the split's, so every rank keeps the same
     rows), not the first in file order, which a file sorted by model or date would bias."""
     draw = np.random.RandomState((seed + 0x9E3779B9) % 2**32).random_sample(len(items))
-    ranked: dict = {}
-    for i in sorted(range(len(items)), key=lambda i: draw[i]):
-        ranked.setdefault(groups[i], []).append(i)
-    keep = {i for members in ranked.values() for i in members[:cap]}
+    taken: Counter = Counter()
+    keep = set()
+    for i in np.argsort(draw, kind="stable").tolist():
+        if taken[groups[i]] < cap:
+            taken[groups[i]] += 1
+            keep.add(i)
     return [item for i, item in enumerate(items) if i in keep]
 
 
