@@ -76,10 +76,10 @@ def init(timeout_s: int = 600) -> torch.device:
             dist.barrier()
         from rlhfkit import shm_collectives
 
-        stuck = functools.partial(end_after_failed_collective, "shared-memory all-reduce")
+        stuck = functools.partial(end_after_failed_collective, "shared-memory collective")
         if shm_collectives.install(timeout_s, on_stuck=stuck) is not None:
-            print_rank0("collectives: ZeRO's all-gather and reduce-scatter go through DeepSpeed's shared-memory "
-                        "all-reduce (one host; RLHFKIT_SHM_COLLECTIVES=0: gloo)")
+            print_rank0("collectives: ZeRO's all-gather and reduce-scatter go through shared memory "
+                        "(one host; RLHFKIT_SHM_COLLECTIVES=0: gloo)")
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

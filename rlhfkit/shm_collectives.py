@@ -1,21 +1,24 @@
-"""ZeRO's all-gather and reduce-scatter through DeepSpeed's shared-memory all-reduce, when every rank is on
-one CPU host.
+"""ZeRO's all-gather and reduce-scatter through shared memory, when every rank is on one CPU host.
 
-On DeepSpeed's CPU accelerator the collectives go through gloo, over loopback TCP. DeepSpeed also builds a
-shared-memory all-reduce for CPU hosts (``inference_all_reduce``: each rank writes its data into a /dev/shm
-buffer that every rank maps, and the ranks sum it there in fp32), but ZeRO's two collectives of every
-step, the parameter all-gather and the gradient reduce-scatter, never use it. Here both are rebuilt on it:
+On DeepSpeed's CPU accelerator the collectives go through gloo, over loopback TCP. Here ZeRO's two
+collectives of every step, the parameter all-gather and the gradient reduce-scatter, go through a region
+of /dev/shm that every rank maps (made at ``install``, unlinked as soon as every rank has mapped it, so
+nothing is left behind even if a rank is killed). The ranks wait for each other with DeepSpeed's own
+shared-memory all-reduce (``inference_all_reduce``, built for CPU hosts) on a tiny tensor: a spin barrier.
 
-- all-gather: this rank's shard goes into its slot (ZeRO-3 often hands it over already there), the other
-  slots are filled with -0.0 and the whole is summed over ranks. ``x + (-0.0) == x`` for every x, so each
-  value is gloo's (only the sign of a zero can differ: DeepSpeed's kernel starts the last few elements of a
-  slice from +0.0).
-- reduce-scatter (sum): the input is summed over ranks in chunks through one scratch buffer and each rank
-  keeps its own slice. The sum of two ranks is one fp32 addition rounded once, as in gloo; with more
-  ranks the order of the additions may differ from gloo's.
+- all-gather: each rank copies its shard into its slot of the region, the ranks meet, and each copies
+  every slot out: gloo's bits, moved once.
+- reduce-scatter (sum): each rank copies its whole input into its slot, the ranks meet, and each sums
+  its own slice over the ranks' slots. Two ranks' values are added once and rounded once (bf16 and fp16
+  in fp32, as torch adds them), as gloo does; with more ranks the sum is taken in fp32 in rank order and
+  rounded once, where gloo's order may differ.
 
-Anything else (another dtype, op or group, a non-contiguous tensor, a host without the shared-memory
-all-reduce or its vector kernels) goes to the functions they replace. ``install`` swaps them on
+Large tensors go in pieces; the region holds two buffers used in turn, so a rank can fill the next one
+while a slower rank still reads the last. (Before, both collectives were sums through DeepSpeed's
+all-reduce: an all-gather filled the other slots with -0.0 and summed the whole, twice the traffic.)
+
+Anything else (another dtype, op or group, a non-contiguous or overlapping tensor, a host without the
+shared-memory all-reduce or /dev/shm) goes to the functions they replace. ``install`` swaps them on
 DeepSpeed's communication backend; ``RLHFKIT_SHM_COLLECTIVES=0`` keeps gloo's.
 
 DeepSpeed's kernel waits for its peers in a spin loop without a timeout, where gloo would raise when a
@@ -35,9 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-# dtype -> the vector-kernel level DeepSpeed's shm reduce needs (its bf16/fp16 kernels use AVX-512BW)
-KERNEL_LEVEL = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
-SCRATCH_BYTES = 32 << 20  # one chunk of a reduce-scatter: the size of DeepSpeed's own shm chunks
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BUFFER_BYTES = 32 << 20  # each of the region's two buffers; a collective larger than that goes in pieces
 PEER_GONE_S = 5.0  # inside one collective this long with a peer process gone: it can never finish
 
 
@@ -52,22 +54,35 @@ class _Done:
 
 
 class ShmCollectives:
-    """``all_gather_into_tensor`` and ``reduce_scatter_tensor`` with gloo's signatures, over ``all_reduce_``
-    (an in-place sum over all ranks of a contiguous CPU tensor)."""
+    """``all_gather_into_tensor`` and ``reduce_scatter_tensor`` with gloo's signatures, through ``region``
+    (a uint8 tensor of two buffers of ``BUFFER_BYTES`` that every rank maps) and ``all_reduce_`` (an
+    in-place sum over all ranks of a contiguous CPU tensor: the barrier)."""
 
-    def __init__(self, all_reduce_: Callable[[torch.Tensor], Any], level: int, rank: int, world: int,
+    def __init__(self, all_reduce_: Callable[[torch.Tensor], Any], region: torch.Tensor, rank: int, world: int,
                  all_gather: Callable, reduce_scatter: Callable):
-        self.all_reduce_, self.level, self.rank, self.world = all_reduce_, level, rank, world
+        self.all_reduce_, self.rank, self.world = all_reduce_, rank, world
+        self.buffers = region[:2 * BUFFER_BYTES].view(2, BUFFER_BYTES)
         self.fallback_gather, self.fallback_scatter = all_gather, reduce_scatter
-        self.scratch: dict[torch.dtype, torch.Tensor] = {}
+        self.token = torch.zeros(16)  # what the barrier sums
+        self.turn = 0  # which buffer the next piece goes through: the same on every rank
         self.whole_world: dict[Any, bool] = {}
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "fallback": 0}
-        self.entered: float | None = None  # monotonic time this rank entered the running shm all-reduce
+        self.entered: float | None = None  # monotonic time this rank entered the barrier it waits in
 
-    def _sum(self, t: torch.Tensor) -> None:
+    def _meet(self) -> None:
+        """Wait until every rank has reached this point (each has written its part of the buffer)."""
         self.entered = time.monotonic()
-        self.all_reduce_(t)
+        self.all_reduce_(self.token)
         self.entered = None
+
+    def _buffer(self, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+        """The next buffer, as ``dtype`` of ``shape`` (from its start)."""
+        flat = self.buffers[self.turn % 2].view(dtype)
+        self.turn += 1
+        n = 1
+        for d in shape:
+            n *= d
+        return flat[:n].view(*shape)
 
     def _covers_world(self, group: Any) -> bool:
         if group is None or group is dist.group.WORLD:
@@ -78,51 +93,58 @@ class ShmCollectives:
 
     def _usable(self, group: Any, *tensors: torch.Tensor) -> bool:
         dtype = tensors[0].dtype
-        return (self._covers_world(group) and self.level >= KERNEL_LEVEL.get(dtype, 99)
+        return (self._covers_world(group) and dtype in DTYPES
                 and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors))
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
                                async_op: bool = False):
         n = input_tensor.numel()
         out = output_tensor.view(-1)
-        mine = out[self.rank * n:(self.rank + 1) * n]
         if not (self._usable(group, output_tensor, input_tensor) and out.numel() == n * self.world
-                and _apart_or_same(input_tensor, out, mine)):
+                and _apart_or_same(input_tensor, out, out[self.rank * n:(self.rank + 1) * n])):
             self.calls["fallback"] += 1
             return self.fallback_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         self.calls["all_gather"] += 1
-        if input_tensor.data_ptr() != mine.data_ptr():  # ZeRO-3 passes its shard as a view of this very slot
-            mine.copy_(input_tensor.view(-1))
-        out[:self.rank * n].fill_(-0.0)
-        out[(self.rank + 1) * n:].fill_(-0.0)
-        self._sum(out)
+        src, slots = input_tensor.view(-1), out.view(self.world, n)
+        piece = BUFFER_BYTES // (self.world * input_tensor.element_size())
+        for start in range(0, n, piece):
+            m = min(piece, n - start)
+            buf = self._buffer(input_tensor.dtype, self.world, m)
+            buf[self.rank].copy_(src[start:start + m])
+            self._meet()
+            slots[:, start:start + m].copy_(buf)
         return _Done() if async_op else None
 
     def reduce_scatter_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                               op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
         n = output_tensor.numel()
+        out = output_tensor.view(-1)
         if not (op == dist.ReduceOp.SUM and self._usable(group, output_tensor, input_tensor)
-                and input_tensor.numel() == n * self.world):
+                and input_tensor.numel() == n * self.world
+                and _apart_or_same(out, input_tensor.view(-1), input_tensor.view(-1)[self.rank * n:(self.rank + 1) * n])):
             self.calls["fallback"] += 1
             return self.fallback_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.calls["reduce_scatter"] += 1
-        src, out = input_tensor.view(-1), output_tensor.view(-1)
-        mine = (self.rank * n, (self.rank + 1) * n)
-        scratch = self._scratch(input_tensor.dtype)
-        for start in range(0, src.numel(), scratch.numel()):
-            stop = min(start + scratch.numel(), src.numel())
-            chunk = scratch[:stop - start]
-            chunk.copy_(src[start:stop])
-            self._sum(chunk)
-            lo, hi = max(start, mine[0]), min(stop, mine[1])
-            if lo < hi:
-                out[lo - mine[0]:hi - mine[0]].copy_(chunk[lo - start:hi - start])
+        src = input_tensor.view(self.world, n)
+        piece = BUFFER_BYTES // (self.world * self.world * input_tensor.element_size())
+        for start in range(0, n, piece):
+            m = min(piece, n - start)
+            buf = self._buffer(input_tensor.dtype, self.world, self.world, m)  # [from rank, to rank, m]
+            buf[self.rank].copy_(src[:, start:start + m])
+            self._meet()
+            _sum_into(out[start:start + m], buf[:, self.rank])
         return _Done() if async_op else None
 
-    def _scratch(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self.scratch:
-            self.scratch[dtype] = torch.empty(SCRATCH_BYTES // (torch.finfo(dtype).bits // 8), dtype=dtype)
-        return self.scratch[dtype]
+
+def _sum_into(out: torch.Tensor, parts: torch.Tensor) -> None:
+    """``out`` = the sum over the rows of ``parts`` [ranks, m], rounded once to ``out``'s dtype."""
+    if len(parts) == 2:
+        torch.add(parts[0], parts[1], out=out)  # one addition: computed in fp32 for bf16/fp16, rounded once
+        return
+    total = parts[0].float()
+    for row in parts[1:]:
+        total += row
+    out.copy_(total)
 
 
 def _apart_or_same(src: torch.Tensor, out: torch.Tensor, slot: torch.Tensor) -> bool:
@@ -157,21 +179,54 @@ def install(timeout_s: float, on_stuck: Callable[[str], None]) -> ShmCollectives
             or dist.get_backend() != "gloo" or isinstance(backend.all_gather_function, _Bound)):
         return None
     all_reduce_, level = shm_all_reduce(backend)
-    usable = (all_reduce_ is not None and backend.all_gather_function is not None
-              and backend.reduce_scatter_function is not None)
-    peers: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peers, (os.getpid(), usable))  # every rank decides the same, and learns its peers
-    if not all(ok for _, ok in peers):
+    usable = (all_reduce_ is not None and level >= 1 and backend.all_gather_function is not None
+              and backend.reduce_scatter_function is not None and os.access("/dev/shm", os.W_OK))
+    region = _shared_region(usable)
+    if region is None:
         return None
-    shm = ShmCollectives(all_reduce_, level, dist.get_rank(), dist.get_world_size(),
+    shm = ShmCollectives(all_reduce_, region, dist.get_rank(), dist.get_world_size(),
                          backend.all_gather_function, backend.reduce_scatter_function)
     backend.all_gather_function = _Bound(shm.all_gather_into_tensor, shm)
     backend.reduce_scatter_function = _Bound(shm.reduce_scatter_tensor, shm)
-    pids = [pid for r, (pid, _) in enumerate(peers) if r != shm.rank]
+    pids = [pid for r, pid in enumerate(_all(os.getpid())) if r != shm.rank]
     watchdog = threading.Thread(target=_watch, args=(shm, pids, timeout_s, on_stuck), name="rlhfkit-shm-watchdog",
                                 daemon=True)
     watchdog.start()
     return shm
+
+
+def _all(value: Any) -> list:
+    """``value`` of every rank, in rank order (a gloo collective)."""
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _shared_region(usable: bool) -> torch.Tensor | None:
+    """Two buffers of ``BUFFER_BYTES`` in a /dev/shm file that every rank maps, or None unless every rank
+    is ``usable`` and maps it. Rank 0 makes the file and unlinks it once every rank has mapped it: the
+    memory lives as long as the mappings, and nothing is left in /dev/shm. Collective."""
+    rank, size = dist.get_rank(), 2 * BUFFER_BYTES
+    path = None
+    if rank == 0 and usable:
+        path = f"/dev/shm/rlhfkit_collectives_{os.getpid()}_{time.time_ns()}"
+        try:
+            with open(path, "wb") as f:
+                f.truncate(size)
+        except OSError:
+            path = None
+    answers = _all((usable, path))
+    path = answers[0][1]
+    region = None
+    if path is not None and all(ok for ok, _ in answers):
+        try:
+            region = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            region = None
+    mapped = _all(region is not None)
+    if rank == 0 and path is not None:
+        os.unlink(path)
+    return region if all(mapped) else None
 
 
 def _gone(pid: int) -> bool:
