@@ -63,6 +63,7 @@ class ShmCollectives:
         self.all_reduce_, self.rank, self.world = all_reduce_, rank, world
         self.buffers = region[:2 * BUFFER_BYTES].view(2, BUFFER_BYTES)
         self.fallback_gather, self.fallback_scatter = all_gather, reduce_scatter
+        self.fallback_coalesced: Callable = _deepspeed_coalesced()
         self.token = torch.zeros(16)  # what the barrier sums
         self.turn = 0  # which buffer the next piece goes through: the same on every rank
         self.whole_world: dict[Any, bool] = {}
@@ -135,6 +136,43 @@ class ShmCollectives:
             _sum_into(out[start:start + m], buf[:, self.rank])
         return _Done() if async_op else None
 
+    @torch.no_grad()
+    def reduce_scatter_coalesced(self, tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+        """DeepSpeed's ``reduce_scatter_coalesced`` (ZeRO-3's gradient reduction): each tensor cut into
+        ``world`` parts of ``ceil(numel / world)`` elements (the last one shorter), this rank's part of each,
+        averaged over the ranks. DeepSpeed lays every rank's parts out in one new buffer (a copy), divides
+        the whole by ``world`` in place (a pass) and reduce-scatters it; here each part goes from its tensor,
+        divided by ``world`` (the same rounding), straight into the shared buffer, and this rank sums its own
+        parts there: the same bits, one pass over the gradients. Another group, dtype or layout goes to
+        DeepSpeed's own function (``self.fallback_coalesced``)."""
+        if not (tensors and self._usable(group, *tensors) and self.installed()):
+            self.calls["fallback"] += 1
+            return self.fallback_coalesced(tensors, group)
+        self.calls["reduce_scatter"] += 1
+        world, dtype = self.world, tensors[0].dtype
+        sizes = [-(-t.numel() // world) for t in tensors]  # each tensor's part, padded (DeepSpeed's chunk size)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        out = torch.empty(sum(sizes), dtype=dtype)
+        piece = BUFFER_BYTES // (world * world * tensors[0].element_size())
+        for lo in range(0, len(out), piece):
+            hi = min(lo + piece, len(out))
+            buf = self._buffer(dtype, world, world, hi - lo)  # [from rank, to rank, position]
+            for t, size, start in zip(tensors, sizes, starts):
+                a, b = max(lo, start), min(hi, start + size)
+                for to in range(world) if a < b else ():
+                    src = t.view(-1)[to * size + a - start:min(to * size + b - start, t.numel())]
+                    torch.div(src, world, out=buf[self.rank, to, a - lo:a - lo + len(src)])
+            self._meet()
+            _sum_into(out[lo:hi], buf[:, self.rank])  # padding slots hold whatever was there: never returned
+        mine = [max(0, min(size, t.numel() - self.rank * size)) for t, size in zip(tensors, sizes)]
+        return [out.narrow(0, start, n) for start, n in zip(starts, mine)]
+
+    def installed(self) -> bool:
+        """This object's reduce-scatter is still DeepSpeed's (a caller may put gloo's back)."""
+        import deepspeed.comm.comm as ds_comm
+
+        return getattr(ds_comm.cdb.reduce_scatter_function, "owner", None) is self
+
 
 def _sum_into(out: torch.Tensor, parts: torch.Tensor) -> None:
     """``out`` = the sum over the rows of ``parts`` [ranks, m], rounded once to ``out``'s dtype."""
@@ -188,11 +226,21 @@ def install(timeout_s: float, on_stuck: Callable[[str], None]) -> ShmCollectives
                          backend.all_gather_function, backend.reduce_scatter_function)
     backend.all_gather_function = _Bound(shm.all_gather_into_tensor, shm)
     backend.reduce_scatter_function = _Bound(shm.reduce_scatter_tensor, shm)
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    stage3.reduce_scatter_coalesced = shm.reduce_scatter_coalesced  # ZeRO-3 looks the name up at each reduction
     pids = [pid for r, pid in enumerate(_all(os.getpid())) if r != shm.rank]
     watchdog = threading.Thread(target=_watch, args=(shm, pids, timeout_s, on_stuck), name="rlhfkit-shm-watchdog",
                                 daemon=True)
     watchdog.start()
     return shm
+
+
+def _deepspeed_coalesced() -> Callable:
+    """DeepSpeed's own ``reduce_scatter_coalesced`` (what ZeRO-3 calls without this module)."""
+    from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced
+
+    return reduce_scatter_coalesced
 
 
 def _all(value: Any) -> list:

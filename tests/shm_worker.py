@@ -59,7 +59,48 @@ def check_collectives(shm: ShmCollectives, rank: int, world: int) -> list[dict]:
                           "scatter_hand": torch.equal(out, total), "scatter_gloo": same_bits(out2, ref2),
                           "shm_calls": sum(shm.calls[k] - before[k] for k in ("all_gather", "reduce_scatter")),
                           "fallbacks": shm.calls["fallback"] - before["fallback"]})
-    return cases
+    return on_every_rank(cases)
+
+
+def on_every_rank(cases: list[dict]) -> list[dict]:
+    """Each rank's cases merged (only rank 0 writes the results): a check holds where it holds on every rank,
+    counts are rank 0's."""
+    everyone: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, cases)
+    return [{k: all(c[i][k] for c in everyone) if isinstance(v, bool) else v for k, v in case.items()}
+            for i, case in enumerate(cases)]
+
+
+def check_coalesced(shm: ShmCollectives, rank: int, world: int) -> list[dict]:
+    """ZeRO-3's averaged reduce-scatter of several gradients against DeepSpeed's own function (which goes
+    through gloo here) on random values, and against the hand-computed mean on small integers."""
+    from rlhfkit.shm_collectives import BUFFER_BYTES
+
+    cases = []
+    big = BUFFER_BYTES // 2 + 3  # several pieces of the shared buffer, a part spanning two of them
+    for sizes in ([8], [7], [1, 5, 1000, 3], [big, 13, big // 3]):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.Generator().manual_seed(7 + rank)
+            grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+            before = dict(shm.calls)
+            got = shm.reduce_scatter_coalesced([t.clone() for t in grads])
+            calls = {k: shm.calls[k] - before[k] for k in shm.calls}
+            backend = shm.fallback_scatter  # DeepSpeed's function, its collective through gloo
+            import deepspeed.comm.comm as ds_comm
+            mine, ds_comm.cdb.reduce_scatter_function = ds_comm.cdb.reduce_scatter_function, backend
+            want = shm.fallback_coalesced([t.clone() for t in grads])
+            ds_comm.cdb.reduce_scatter_function = mine
+            ints = [((torch.arange(n) % 9) * (rank + 1)).to(dtype) for n in sizes]  # mean: (i % 9) * (world + 1) / 2
+            means = shm.reduce_scatter_coalesced(ints)
+            chunks = [-(-n // world) for n in sizes]
+            hand = [((torch.arange(n) % 9).to(torch.float64) * (world + 1) / 2)[rank * c:(rank + 1) * c].to(dtype)
+                    for n, c in zip(sizes, chunks)]
+            cases.append({"sizes": sizes[:4] if len(sizes) < 4 else "big", "dtype": str(dtype),
+                          "ds": len(got) == len(want) and all(same_bits(a, b) for a, b in zip(got, want)),
+                          "hand": all(torch.equal(a, b) for a, b in zip(means, hand)),
+                          "lengths": [len(a) for a in got] == [len(b) for b in want], "shm_calls": calls["reduce_scatter"],
+                          "fallbacks": calls["fallback"]})
+    return on_every_rank(cases)
 
 
 def check_fallbacks(shm: ShmCollectives, rank: int, world: int) -> dict:
@@ -119,7 +160,8 @@ def main() -> None:
             os._exit(0)
         shm.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2))  # never returns: the watchdog ends it
     if shm is not None:
-        out.update(cases=check_collectives(shm, rank, world), fallback=check_fallbacks(shm, rank, world))
+        out.update(cases=check_collectives(shm, rank, world), coalesced=check_coalesced(shm, rank, world),
+                   fallback=check_fallbacks(shm, rank, world))
         base = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         before = dict(shm.calls)
         shm_losses, shm_weights = train(base, rank)

@@ -21,6 +21,10 @@ def test_shm_collectives_match_hand_values_gloo_and_a_gloo_trained_engine(tiny_d
         assert case["gather_gloo"] and case["scatter_gloo"], case
         # fp32 and bf16 both take the shared-memory path, in several pieces for the largest size
         assert case["shm_calls"] == 5 and case["fallbacks"] == 0, case
+    for case in got["coalesced"]:
+        # ZeRO-3's averaged reduce-scatter of several gradients: DeepSpeed's own bits, the hand-computed mean
+        assert case["ds"] and case["hand"] and case["lengths"], case
+        assert case["shm_calls"] == 1 and case["fallbacks"] == 0, case
     # an async caller gets a finished handle; a strided input and an integer tensor go to gloo, correctly
     assert got["fallback"] == {"async_ok": True, "strided_ok": True, "ints_ok": True, "fallbacks": 2}
     # a ZeRO-3 engine gathers and reduces through shared memory and trains as it does through gloo
