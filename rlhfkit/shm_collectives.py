@@ -168,7 +168,7 @@ class ShmCollectives:
         return [out.narrow(0, start, n) for start, n in zip(starts, mine)]
 
     def installed(self) -> bool:
-        """This object's reduce-scatter is still DeepSpeed's (a caller may put gloo's back)."""
+        """DeepSpeed's backend still calls this object's reduce-scatter (a caller may have put gloo's back)."""
         import deepspeed.comm.comm as ds_comm
 
         return getattr(ds_comm.cdb.reduce_scatter_function, "owner", None) is self
