@@ -30,6 +30,8 @@ the process (exit code 3, as the programs do for a failed gloo collective).
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import threading
 import time
@@ -80,10 +82,7 @@ class ShmCollectives:
         """The next buffer, as ``dtype`` of ``shape`` (from its start)."""
         flat = self.buffers[self.turn % 2].view(dtype)
         self.turn += 1
-        n = 1
-        for d in shape:
-            n *= d
-        return flat[:n].view(*shape)
+        return flat[:math.prod(shape)].view(*shape)
 
     def _covers_world(self, group: Any) -> bool:
         if group is None or group is dist.group.WORLD:
@@ -127,14 +126,19 @@ class ShmCollectives:
             return self.fallback_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.calls["reduce_scatter"] += 1
         src = input_tensor.view(self.world, n)
-        piece = BUFFER_BYTES // (self.world * self.world * input_tensor.element_size())
-        for start in range(0, n, piece):
-            m = min(piece, n - start)
-            buf = self._buffer(input_tensor.dtype, self.world, self.world, m)  # [from rank, to rank, m]
-            buf[self.rank].copy_(src[:, start:start + m])
-            self._meet()
-            _sum_into(out[start:start + m], buf[:, self.rank])
+        self._reduce(out, lambda mine, lo, hi: mine.copy_(src[:, lo:hi]))
         return _Done() if async_op else None
+
+    def _reduce(self, out: torch.Tensor, fill: Callable[[torch.Tensor, int, int], Any]) -> None:
+        """``out`` = the sum over the ranks of what each rank's ``fill(mine, lo, hi)`` writes into ``mine``
+        [world, hi - lo] (row r: its part of the positions lo..hi of rank r's ``out``), piece by piece."""
+        piece = BUFFER_BYTES // (self.world * self.world * out.element_size())
+        for lo in range(0, len(out), piece):
+            hi = min(lo + piece, len(out))
+            buf = self._buffer(out.dtype, self.world, self.world, hi - lo)  # [from rank, to rank, position]
+            fill(buf[self.rank], lo, hi)
+            self._meet()
+            _sum_into(out[lo:hi], buf[:, self.rank])
 
     @torch.no_grad()
     def reduce_scatter_coalesced(self, tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
@@ -149,21 +153,11 @@ class ShmCollectives:
             self.calls["fallback"] += 1
             return self.fallback_coalesced(tensors, group)
         self.calls["reduce_scatter"] += 1
-        world, dtype = self.world, tensors[0].dtype
+        world = self.world
         sizes = [-(-t.numel() // world) for t in tensors]  # each tensor's part, padded (DeepSpeed's chunk size)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        out = torch.empty(sum(sizes), dtype=dtype)
-        piece = BUFFER_BYTES // (world * world * tensors[0].element_size())
-        for lo in range(0, len(out), piece):
-            hi = min(lo + piece, len(out))
-            buf = self._buffer(dtype, world, world, hi - lo)  # [from rank, to rank, position]
-            for t, size, start in zip(tensors, sizes, starts):
-                a, b = max(lo, start), min(hi, start + size)
-                for to in range(world) if a < b else ():
-                    src = t.view(-1)[to * size + a - start:min(to * size + b - start, t.numel())]
-                    torch.div(src, world, out=buf[self.rank, to, a - lo:a - lo + len(src)])
-            self._meet()
-            _sum_into(out[lo:hi], buf[:, self.rank])  # padding slots hold whatever was there: never returned
+        out = torch.empty(sum(sizes), dtype=tensors[0].dtype)
+        self._reduce(out, functools.partial(_divided_parts, tensors, sizes, starts, world))
         mine = [max(0, min(size, t.numel() - self.rank * size)) for t, size in zip(tensors, sizes)]
         return [out.narrow(0, start, n) for start, n in zip(starts, mine)]
 
@@ -172,6 +166,18 @@ class ShmCollectives:
         import deepspeed.comm.comm as ds_comm
 
         return getattr(ds_comm.cdb.reduce_scatter_function, "owner", None) is self
+
+
+def _divided_parts(tensors: list[torch.Tensor], sizes: list[int], starts: list[int], world: int, mine: torch.Tensor,
+                   lo: int, hi: int) -> None:
+    """Fill ``mine`` [world, hi - lo] with positions lo..hi of every rank's parts (part r of each tensor at
+    its ``start``, ``size`` long, the tail of the last part padding), divided by ``world`` with the rounding
+    of DeepSpeed's in-place division. Padding is left as it was: its sums are never returned."""
+    for t, size, start in zip(tensors, sizes, starts):
+        a, b = max(lo, start), min(hi, start + size)
+        for to in range(world) if a < b else ():
+            src = t.view(-1)[to * size + a - start:min(to * size + b - start, t.numel())]
+            torch.div(src, world, out=mine[to, a - lo:a - lo + len(src)])
 
 
 def _sum_into(out: torch.Tensor, parts: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ def on_every_rank(cases: list[dict]) -> list[dict]:
 def check_coalesced(shm: ShmCollectives, rank: int, world: int) -> list[dict]:
     """ZeRO-3's averaged reduce-scatter of several gradients against DeepSpeed's own function (which goes
     through gloo here) on random values, and against the hand-computed mean on small integers."""
-    from rlhfkit.shm_collectives import BUFFER_BYTES
+    import deepspeed.comm.comm as ds_comm
 
     cases = []
     big = BUFFER_BYTES // 2 + 3  # several pieces of the shared buffer, a part spanning two of them
@@ -85,9 +85,8 @@ def check_coalesced(shm: ShmCollectives, rank: int, world: int) -> list[dict]:
             before = dict(shm.calls)
             got = shm.reduce_scatter_coalesced([t.clone() for t in grads])
             calls = {k: shm.calls[k] - before[k] for k in shm.calls}
-            backend = shm.fallback_scatter  # DeepSpeed's function, its collective through gloo
-            import deepspeed.comm.comm as ds_comm
-            mine, ds_comm.cdb.reduce_scatter_function = ds_comm.cdb.reduce_scatter_function, backend
+            # DeepSpeed's own function, its collective through gloo
+            mine, ds_comm.cdb.reduce_scatter_function = ds_comm.cdb.reduce_scatter_function, shm.fallback_scatter
             want = shm.fallback_coalesced([t.clone() for t in grads])
             ds_comm.cdb.reduce_scatter_function = mine
             ints = [((torch.arange(n) % 9) * (rank + 1)).to(dtype) for n in sizes]  # mean: (i % 9) * (world + 1) / 2

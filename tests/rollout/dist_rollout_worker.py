@@ -86,21 +86,13 @@ def zero3_backends(s: Setup, engine) -> tuple:
     hf with a kept copy, each giving generate's tokens -> (the hf engine, the kept-copy engine)."""
     c, prompts, gen = s.c, s.prompts, s.gen
     hf = make_rollout_engine("hf", engine)
-    t0 = time.perf_counter()
-    with CountCollectives() as hf_calls:
-        out = hf.generate(prompts, gen)
-    c.details["zero3.hf_seconds"] = time.perf_counter() - t0
-    c.details["zero3.hf_collectives"] = hf_calls.count
+    out, hf_calls = timed_generate(s, "hf", hf)
     c.check("zero3.hf_equals_plain", batch_equal(out, s.expected), got=batch_summary(out))
     c.check("zero3.hf_mask_ok", mask_ok(out, s.eos))
     c.check("zero3.hf_released_copy", hf._copy is None)
 
     synced = make_rollout_engine("hf-synced", engine)
-    t0 = time.perf_counter()
-    with CountCollectives() as synced_calls:
-        out = synced.generate(prompts, gen)
-    c.details["zero3.synced_seconds"] = time.perf_counter() - t0
-    c.details["zero3.synced_collectives"] = synced_calls.count
+    out, synced_calls = timed_generate(s, "synced", synced)
     c.check("zero3.synced_equals_plain", batch_equal(out, s.expected), got=batch_summary(out))
     short = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=s.eos, pad_token_id=PAD)
     with CountCollectives() as hf_short_calls:
@@ -124,6 +116,17 @@ def zero3_backends(s: Setup, engine) -> tuple:
     c.check("zero3.kept_copy_plain", kept._copy is not None
             and not any(hasattr(p, "ds_id") for p in kept._copy.parameters()) and not kept._copy.training)
     return hf, kept
+
+
+def timed_generate(s: Setup, name: str, rollout) -> tuple:
+    """``rollout`` generates this rank's prompts -> (the batch, its collective counter); the seconds and the
+    count go into the details as ``zero3.{name}_seconds`` and ``zero3.{name}_collectives``."""
+    t0 = time.perf_counter()
+    with CountCollectives() as calls:
+        out = rollout.generate(s.prompts, s.gen)
+    s.c.details[f"zero3.{name}_seconds"] = time.perf_counter() - t0
+    s.c.details[f"zero3.{name}_collectives"] = calls.count
+    return out, calls
 
 
 def zero3_copies(s: Setup, engine) -> None:
