@@ -86,12 +86,15 @@ def start_program(config_cls: type) -> Any:
 
 def join_process_group(timeout_s: int) -> torch.device:
     """:func:`rlhfkit.distributed.init`, then, when the tensors live in host memory (not CUDA), keep
-    what each step frees for the next (:mod:`rlhfkit.host_memory`) -> this rank's device."""
+    what each step frees for the next (:mod:`rlhfkit.host_memory`, :mod:`rlhfkit.zero3_grad_buffer`) -> this
+    rank's device."""
+    from rlhfkit import zero3_grad_buffer
     from rlhfkit.host_memory import keep_freed_memory
 
     device = dist.init(timeout_s)
     if device.type != "cuda":  # each step frees and re-allocates the same large host tensors
         keep_freed_memory()
+        zero3_grad_buffer.install()
     return device
 
 
