@@ -3,17 +3,16 @@
 Before each optimizer step DeepSpeed's ZeRO-3 optimizer flattens a rank's reduced gradient partition
 (bf16/fp16 pieces) into a new tensor and converts that to a second new tensor in fp32, the gradient of
 its flat fp32 master partition (``_prepare_fp32_grad_for_sub_group``); after the step it drops it. For a
-135M-parameter model on 2 ranks that is 134 and 268 MB a rank each step, above glibc's largest mmap
-threshold (:mod:`rlhfkit.host_memory`), so each step maps them fresh from the kernel and pays a page
-fault and a zeroed page every 4 KiB: on the CPU a fifth of step 3's training phase at
-``bench/step3.py``'s settings (a py-spy profile, 2026-12-07).
+model of N parameters on W ranks that is 2N/W and 4N/W bytes a rank each step, for any model of note
+above glibc's largest mmap threshold (:mod:`rlhfkit.host_memory`), so each step maps them fresh from
+the kernel and pays a page fault and a zeroed page every 4 KiB (README, "Speed on the CPU").
 
 :func:`install` replaces that method with one that copies each piece, converted, straight into one fp32
 buffer, kept by the process and shared by every ZeRO-3 engine in it (the actor's and the critic's steps
 run one after the other, and DeepSpeed drops the fp32 gradient at the end of each sub-group's update).
 The values are the same: one bf16 -> fp32 conversion of the same pieces in the same order. The buffer
-grows to the largest sub-group partition and stays (268 MB a rank for that model, where the method it
-replaces needed 402 MB during each step). Host memory only (a CUDA caching allocator already reuses);
+grows to the largest sub-group partition and stays (4N/W bytes between steps, where the method it
+replaces needed 6N/W during each step). Host memory only (a CUDA caching allocator already reuses);
 offloaded and swapped optimizers never call the method. ``RLHFKIT_KEEP_FREED_MEMORY=0`` leaves
 DeepSpeed's own method, as it leaves glibc's thresholds.
 """
