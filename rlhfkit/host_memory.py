@@ -34,12 +34,17 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest (64-bit): larger blocks are mapped 
 TRIM_NEVER = -1  # mallopt(3): "-1 disables trimming completely"
 
 
-def keep_freed_memory() -> bool:
-    """Set glibc's trim and mmap thresholds for this process where wanted -> whether they are set."""
+def wanted() -> bool:
+    """Whether ``RLHFKIT_KEEP_FREED_MEMORY`` asks to keep freed host memory (the default: yes)."""
     choice = os.environ.get(ENV, "1").strip().lower()
     if choice not in ("0", "1", "false", "true", "off", "on"):
         raise ConfigError(f"{ENV}={choice!r}: use 1 (keep freed memory in the process) or 0")
-    if choice in ("0", "false", "off") or own_malloc_settings():
+    return choice in ("1", "true", "on")
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's trim and mmap thresholds for this process where wanted -> whether they are set."""
+    if not wanted() or own_malloc_settings():
         return False
     return _set_thresholds()
 

@@ -106,17 +106,16 @@ class ShmCollectives:
             return self.fallback_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         self.calls["all_gather"] += 1
         src, slots = input_tensor.view(-1), out.view(self.world, n)
-        # in place (ZeRO's gathers are): this rank's slot holds its shard already, only the others' are copied out
-        others = [r for r in range(self.world) if r != self.rank] if src.data_ptr() == slots[self.rank].data_ptr() else None
+        # in place (ZeRO's gathers are), this rank's slot holds its shard already: only the others' are copied out
+        in_place = src.data_ptr() == slots[self.rank].data_ptr()
+        rows = [r for r in range(self.world) if not (in_place and r == self.rank)]
         piece = BUFFER_BYTES // (self.world * input_tensor.element_size())
         for start in range(0, n, piece):
             m = min(piece, n - start)
             buf = self._buffer(input_tensor.dtype, self.world, m)
             buf[self.rank].copy_(src[start:start + m])
             self._meet()
-            if others is None:
-                slots[:, start:start + m].copy_(buf)
-            for r in others or ():
+            for r in rows:
                 slots[r, start:start + m].copy_(buf[r])
         return _Done() if async_op else None
 

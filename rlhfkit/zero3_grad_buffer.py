@@ -19,27 +19,28 @@ DeepSpeed's own method, as it leaves glibc's thresholds.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
 
-_KEPT: dict[str, torch.Tensor] = {}
-_ORIGINAL: dict[str, Callable] = {}
+from rlhfkit import host_memory
+
+METHOD = "_prepare_fp32_grad_for_sub_group"  # of DeepSpeedZeroOptimizer_Stage3
+_KEPT: dict[torch.dtype, torch.Tensor] = {}
+_ORIGINAL: dict[str, Callable] = {}  # METHOD -> DeepSpeed's own, while replaced
 
 
 def install() -> bool:
     """Replace ZeRO-3's fp32 gradient preparation (once per process) -> whether it is replaced."""
-    if os.environ.get("RLHFKIT_KEEP_FREED_MEMORY", "1").strip().lower() in ("0", "false", "off"):
+    if not host_memory.wanted():
         return False
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
-    name = "_prepare_fp32_grad_for_sub_group"
-    if not hasattr(Stage3, name):  # another DeepSpeed: its own method stands
+    if not hasattr(Stage3, METHOD):  # another DeepSpeed: its own method stands
         return False
-    if name not in _ORIGINAL:
-        _ORIGINAL[name] = getattr(Stage3, name)
-        setattr(Stage3, name, prepare_fp32_grad_for_sub_group)
+    if METHOD not in _ORIGINAL:
+        _ORIGINAL[METHOD] = getattr(Stage3, METHOD)
+        setattr(Stage3, METHOD, prepare_fp32_grad_for_sub_group)
     return True
 
 
@@ -58,7 +59,7 @@ def prepare_fp32_grad_for_sub_group(opt: Any, sub_group_id: int) -> None:
     flat = opt.fp32_partitioned_groups_flat[sub_group_id]
     pieces = opt.averaged_gradients[sub_group_id]
     if flat.device.type != "cpu" or not pieces:
-        return _ORIGINAL["_prepare_fp32_grad_for_sub_group"](opt, sub_group_id)
+        return _ORIGINAL[METHOD](opt, sub_group_id)
     grad = kept_buffer(flat.numel(), flat.dtype)
     offset = 0
     for piece in pieces:
@@ -73,9 +74,8 @@ def prepare_fp32_grad_for_sub_group(opt: Any, sub_group_id: int) -> None:
 
 def kept_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``numel`` elements of the process's kept buffer of ``dtype`` (grown when too small)."""
-    key = str(dtype)
-    buf = _KEPT.get(key)
+    buf = _KEPT.get(dtype)
     if buf is None or buf.numel() < numel:
-        _KEPT.pop(key, None)  # the old one goes before the larger one comes
-        buf = _KEPT[key] = torch.empty(numel, dtype=dtype)
+        _KEPT.pop(dtype, None)  # the old one goes before the larger one comes
+        buf = _KEPT[dtype] = torch.empty(numel, dtype=dtype)
     return buf[:numel]

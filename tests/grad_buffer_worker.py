@@ -20,6 +20,13 @@ def engine_for(model):
                         lr_scheduler_type="constant", num_warmup_steps=0, total_steps=3)
 
 
+def step(engine, loss: torch.Tensor) -> float:
+    """One optimizer step of ``engine`` on ``loss`` -> the loss averaged over the ranks."""
+    engine.backward(loss)
+    engine.step()
+    return float(distributed.all_reduce_mean(loss.detach().float()))
+
+
 def train(actor_base, critic_base, rank: int) -> tuple[list[float], list[torch.Tensor], list[list[int]]]:
     """Both engines, their steps alternating -> (losses, every full fp32 weight after, the sizes of each
     engine's fp32 sub-group partitions)."""
@@ -30,11 +37,8 @@ def train(actor_base, critic_base, rank: int) -> tuple[list[float], list[torch.T
     losses = []
     for width in (10, 14, 12):
         ids = torch.randint(0, actor_base.config.vocab_size, (2, width), generator=gen)
-        for engine, loss_of in ((actor, lambda out: out.loss), (critic, lambda out: out.logits.float().pow(2).mean())):
-            loss = loss_of(engine(input_ids=ids, labels=ids) if engine is actor else engine(input_ids=ids))
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(distributed.all_reduce_mean(loss.detach().float())))
+        losses.append(step(actor, actor(input_ids=ids, labels=ids).loss))
+        losses.append(step(critic, critic(input_ids=ids).logits.float().pow(2).mean()))
     weights = [safe_get_full_fp32_param(p).clone() for e in (actor, critic) for p in e.module.parameters()]
     sizes = [[t.numel() for t in e.optimizer.fp32_partitioned_groups_flat] for e in (actor, critic)]
     return losses, weights, sizes
@@ -54,7 +58,7 @@ def main() -> None:
     critic_base = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=torch.float32, num_labels=1)
     out: dict = {"installed": zero3_grad_buffer.install()}
     kept_losses, kept_weights, out["partition_numel"] = train(actor_base, critic_base, rank)
-    out["kept_numel"] = {k: v.numel() for k, v in zero3_grad_buffer._KEPT.items()}
+    out["kept_numel"] = {str(k): v.numel() for k, v in zero3_grad_buffer._KEPT.items()}
     zero3_grad_buffer.uninstall()
     ds_losses, ds_weights, _ = train(actor_base, critic_base, rank)
     n_actor = sum(1 for _ in actor_base.parameters())
