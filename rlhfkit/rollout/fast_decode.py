@@ -41,6 +41,55 @@ def supports(hf_model: torch.nn.Module) -> bool:
             and hf_model.lm_head.weight.device.type == "cpu")
 
 
+class KVBuffers:
+    """The prefilled transformers ``cache`` of a Llama model's layers copied into buffers of ``capacity``
+    positions, and attention for one new token per row over them."""
+
+    def __init__(self, hf_model: torch.nn.Module, cache: Any, capacity: int):
+        cfg = hf_model.config
+        self.layers = list(hf_model.model.layers[: cfg.num_hidden_layers])
+        self.rope = sys.modules[type(hf_model).__module__].apply_rotary_pos_emb
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.capacity = capacity
+        past = [(layer.keys, layer.values) for layer in cache.layers[: len(self.layers)]]
+        self.rows, _, self.filled, _ = past[0][0].shape
+        # On a CPU without bf16 kernels (rlhfkit.models.cpu_bf16) a bf16 model attends in fp32, from buffers
+        # kept in fp32 (the bf16 keys and values converted exactly, once)
+        bf16 = past[0][0].dtype == torch.bfloat16
+        self.dtype = torch.float32 if bf16 and cpu_bf16.wanted() else past[0][0].dtype
+        self.keys, self.values = [], []
+        for k, v in past:
+            shape = (self.rows, self.kv_heads, capacity, self.head_dim)
+            self.keys.append(k.new_empty(shape, dtype=self.dtype))
+            self.values.append(v.new_empty(shape, dtype=self.dtype))
+            self.keys[-1][:, :, :self.filled] = k
+            self.values[-1][:, :, :self.filled] = v
+
+    def check_room(self) -> None:
+        if self.filled >= self.capacity:
+            raise RuntimeError(f"the decode buffers hold {self.capacity} positions")
+
+    def attend(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Layer ``i``'s attention output [rows, 1, heads * head_dim] (in ``q``'s dtype) for the projected
+        query, key and value of the new token ([rows, 1, *]), whose key and value it appends."""
+        rows, t, dim = self.rows, self.filled, self.head_dim
+        q = q.view(rows, 1, self.heads, dim).transpose(1, 2)
+        k = k.view(rows, 1, self.kv_heads, dim).transpose(1, 2)
+        v = v.view(rows, 1, self.kv_heads, dim).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        self.keys[i][:, :, t] = k[:, :, 0]
+        self.values[i][:, :, t] = v[:, :, 0]
+        o = _attention(q.to(self.dtype), self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1], mask,
+                       self.heads // self.kv_heads, self.layers[i].self_attn.scaling)
+        return o.to(q.dtype)
+
+    def advance(self) -> None:
+        """The new token of every layer is in: the next step writes the next position."""
+        self.filled += 1
+
+
 def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optional[Step]:
     """A step function continuing from the prefilled transformers ``cache`` (whose KV it copies into
     buffers of ``capacity`` positions), or None where the model is not one this module handles.
@@ -52,50 +101,22 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
     """
     if not supports(hf_model):
         return None
-    body, cfg = hf_model.model, hf_model.config
-    rope = sys.modules[type(hf_model).__module__].apply_rotary_pos_emb
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    layers = list(body.layers[: cfg.num_hidden_layers])
-    head_dim = layers[0].self_attn.head_dim
-    groups = heads // kv_heads
-    past = [(layer.keys, layer.values) for layer in cache.layers[: len(layers)]]
-    rows, _, length, _ = past[0][0].shape
-    # On a CPU without bf16 kernels (rlhfkit.models.cpu_bf16) a bf16 model attends in fp32, from buffers
-    # kept in fp32 (the bf16 keys and values converted exactly, once)
-    buffer_dtype = torch.float32 if past[0][0].dtype == torch.bfloat16 and cpu_bf16.wanted() else past[0][0].dtype
-    keys, values = [], []
-    for k, v in past:
-        keys.append(k.new_empty(rows, kv_heads, capacity, head_dim, dtype=buffer_dtype))
-        values.append(v.new_empty(rows, kv_heads, capacity, head_dim, dtype=buffer_dtype))
-        keys[-1][:, :, :length] = k
-        values[-1][:, :, :length] = v
-    del past
-    filled = [length]
-    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-    qkv = [fused_linear([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], rows) for layer in layers]
-    gate_up = [fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj], rows) for layer in layers]
+    body = hf_model.model
+    kv = KVBuffers(hf_model, cache, capacity)
+    attns = [layer.self_attn for layer in kv.layers]
+    sizes = [kv.heads * kv.head_dim, kv.kv_heads * kv.head_dim, kv.kv_heads * kv.head_dim]
+    qkv = [fused_linear([a.q_proj, a.k_proj, a.v_proj], kv.rows) for a in attns]
+    gate_up = [fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj], kv.rows) for layer in kv.layers]
 
     def step(tokens: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        t = filled[0]
-        if t >= capacity:
-            raise RuntimeError(f"the decode buffers hold {capacity} positions")
+        kv.check_room()
         h = body.embed_tokens(tokens[:, None])
         cos, sin = body.rotary_emb(h, position_ids)
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q, k, v = _project_qkv(attn, x, qkv[i], sizes)
-            q = q.view(rows, 1, heads, head_dim).transpose(1, 2)
-            k = k.view(rows, 1, kv_heads, head_dim).transpose(1, 2)
-            v = v.view(rows, 1, kv_heads, head_dim).transpose(1, 2)
-            q, k = rope(q, k, cos, sin)
-            keys[i][:, :, t] = k[:, :, 0]
-            values[i][:, :, t] = v[:, :, 0]
-            o = _attention(q.to(buffer_dtype), keys[i][:, :, : t + 1], values[i][:, :, : t + 1], mask, groups, attn.scaling)
-            o = o.to(h.dtype)
-            h = h + attn.o_proj(o)
+        for i, layer in enumerate(kv.layers):
+            q, k, v = _project_qkv(attns[i], layer.input_layernorm(h), qkv[i], sizes)
+            h = h + attns[i].o_proj(kv.attend(i, q, k, v, cos, sin, mask))
             h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h), gate_up[i])
-        filled[0] = t + 1
+        kv.advance()
         return hf_model.lm_head(body.norm(h))[:, -1].float()
 
     return step

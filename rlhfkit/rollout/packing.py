@@ -57,9 +57,15 @@ def fused_linear(layers: Sequence[torch.nn.Module], rows: int) -> Optional[Calla
             or len({m.bias is None for m in layers}) != 1):
         return None
     with torch.no_grad():
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.to(dtype) for m in layers]), rows)
         bias = None if layers[0].bias is None else torch.cat([m.bias.to(dtype) for m in layers])
-    return _product(weight, bias, dtype)
+        return packed_product(torch.cat([m.weight for m in layers]), rows, dtype, bias)
+
+
+def packed_product(weight: torch.Tensor, rows: int, dtype: torch.dtype,
+                   bias: Optional[torch.Tensor] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ weight.T (+ bias) for inputs of at most ``rows`` rows, from a copy of ``weight`` in ``dtype``
+    (:func:`pack_dtype`) packed once into oneDNN's layout."""
+    return _product(torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), rows), bias, dtype)
 
 
 @contextlib.contextmanager
