@@ -71,6 +71,7 @@ class ShmCollectives:
         self.whole_world: dict[Any, bool] = {}
         self.calls = {"all_gather": 0, "reduce_scatter": 0, "fallback": 0}
         self.entered: float | None = None  # monotonic time this rank entered the barrier it waits in
+        self.slot_views: dict[tuple, list[list[torch.Tensor]]] = {}  # exchange's views of the buffers' slots, by shape
 
     def _meet(self) -> None:
         """Wait until every rank has reached this point (each has written its part of the buffer)."""
@@ -118,6 +119,26 @@ class ShmCollectives:
             for r in rows:
                 slots[r, start:start + m].copy_(buf[r])
         return _Done() if async_op else None
+
+    def exchange(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every rank's ``x`` (the same shape and dtype on every rank), concatenated in rank order along
+        ``dim``: a new tensor. For the many small exchanges of a shared decode step
+        (:mod:`rlhfkit.rollout.shared_decode`): ``x`` copied into this rank's slot, the ranks meet, the
+        slots copied out as one tensor. The slots' views are made once per shape."""
+        key = (x.shape, x.dtype)
+        if key not in self.slot_views:
+            n = x.numel() * x.element_size()
+            if n * self.world > BUFFER_BYTES:
+                raise ValueError(f"exchange of {n} bytes a rank: the shared buffer holds {BUFFER_BYTES // self.world}")
+            if len(self.slot_views) >= 64:
+                self.slot_views.clear()
+            self.slot_views[key] = [[slot.view(x.dtype).view(x.shape) for slot in buf[:n * self.world].view(self.world, n)]
+                                    for buf in self.buffers]
+        slots = self.slot_views[key][self.turn % 2]
+        self.turn += 1
+        slots[self.rank].copy_(x)
+        self._meet()
+        return torch.cat(slots, dim=dim)
 
     def reduce_scatter_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                               op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False):
@@ -244,6 +265,13 @@ def install(timeout_s: float, on_stuck: Callable[[str], None]) -> ShmCollectives
                                 daemon=True)
     watchdog.start()
     return shm
+
+
+def installed() -> ShmCollectives | None:
+    """The collectives :func:`install` put on DeepSpeed's backend in this process, if any."""
+    import deepspeed.comm.comm as ds_comm
+
+    return getattr(getattr(ds_comm.cdb, "all_gather_function", None), "owner", None)
 
 
 def _deepspeed_coalesced() -> Callable:

@@ -10,8 +10,8 @@ b. A program (stepN_*/*.py) imports rlhfkit.* and its own package, never another
 c. The library imports on a CPU machine without ray, vllm or flash_attn: no module of rlhfkit or of the
    programs imports them at its top level. Rollout backends are lazy: no file outside rlhfkit/rollout/
    (rlhfkit/, the programs and tests/ are checked; tests/rollout/ tests the backends, bench/ measures
-   them) imports a backend module (rlhfkit.rollout.hf, hf_synced, deepspeed_he, fast_decode, sampling),
-   at any level, either directly or through a name that a module re-exports from one; and
+   them) imports a backend module (rlhfkit.rollout.hf, hf_synced, deepspeed_he, fast_decode, shared_decode,
+   sampling), at any level, either directly or through a name that a module re-exports from one; and
    rlhfkit/rollout/__init__.py imports none at its top level.
 d. rlhfkit/rollout/base.py imports nothing from rlhfkit.rollout.* (the backends build on it, never the
    reverse), not even inside a function or for type checking.
@@ -57,7 +57,8 @@ import networkx as nx
 LIBRARY = "rlhfkit"
 PROGRAMS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
 PACKAGES = (LIBRARY, *PROGRAMS)
-BACKENDS = tuple(f"rlhfkit.rollout.{m}" for m in ("hf", "hf_synced", "deepspeed_he", "fast_decode", "sampling"))
+BACKENDS = tuple(f"rlhfkit.rollout.{m}" for m in ("hf", "hf_synced", "deepspeed_he", "fast_decode", "shared_decode",
+                                                          "sampling"))
 NEVER_AT_TOP = ("ray", "vllm", "flash_attn")  # GPU-cluster-only packages: a CPU machine has none of them
 ALGOS_MAY_IMPORT = ("torch", "numpy", "scipy", "rlhfkit.algos")  # besides the standard library
 ALGOS_MAY_NOT = ("torch.distributed",)  # inside what ALGOS_MAY_IMPORT allows

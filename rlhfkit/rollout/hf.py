@@ -4,7 +4,9 @@ Under ZeRO-3 a plain ``generate`` all-gathers every layer for every new token (D
 This backend instead gathers the actor's weights once per call into an *inference copy*
 (:class:`~rlhfkit.models.gathered.GatheredCopy`: a plain model of the same class, no ZeRO hooks,
 LoRA adapters merged). Each rank then generates its own prompts with a KV cache and no collectives,
-so ranks may finish at different times and produce different lengths. The copy is dropped
+so ranks may finish at different times and produce different lengths. On one CPU host the ranks
+share their decode steps instead, each streaming a share of the weights for every rank's rows
+(:mod:`~rlhfkit.rollout.shared_decode`: the same tokens). The copy is dropped
 afterwards, or kept with ``keep_copy=True`` (its weights are refreshed on every call); it is the
 engine's :attr:`~HFRolloutEngine.inference_copy`, which step 3's experience pass reuses.
 
@@ -26,6 +28,7 @@ from rlhfkit.models.gathered import (  # noqa: F401 - GatheredCopy and its helpe
     DEFAULT_BUCKET_NUMEL,
     GatheredCopy,
     build_inference_copy,
+    hf_model_of,
     load_gathered_weights,
     unwrap_engine,
 )
@@ -39,6 +42,7 @@ from rlhfkit.rollout.base import (
     eval_mode,
 )
 from rlhfkit.rollout.sampling import hf_generate
+from rlhfkit.rollout.shared_decode import decode_group
 
 
 class HFRolloutEngine(RolloutBackend):
@@ -89,9 +93,10 @@ class HFRolloutEngine(RolloutBackend):
         model = self.copy.model()
         t1 = time.perf_counter()
         try:
+            group = decode_group(hf_model_of(model), len(prompts), gen.max_new_tokens)  # the ranks share decode steps where they can
             if len(prompts) == 0:
                 return empty_rollout(prompts, self.device)
-            return hf_generate(model, prompts, gen, self.device, synced_gpus=False)
+            return hf_generate(model, prompts, gen, self.device, synced_gpus=False, group=group)
         finally:
             del model
             self.copy.done()

@@ -18,7 +18,9 @@ minus costs that matter on small models:
   inference mode must not become parameters the training step updates.
 - Llama-architecture models on the CPU decode through :func:`~rlhfkit.rollout.fast_decode.llama_decoder`
   after the prefill: the model's own layers and the same logits, without transformers' per-call
-  machinery around them.
+  machinery around them. Given a ``group`` of ranks on one host (the ``hf`` backend under ZeRO-3),
+  they share those steps (:mod:`~rlhfkit.rollout.shared_decode`): each rank streams a share of the
+  weights for every rank's rows, and keeps stepping after its own rows end until the group's have.
 
 Greedy decoding returns exactly the tokens of ``generate(do_sample=False)`` (tested against it); the
 processors are transformers' own (``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
@@ -29,32 +31,34 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from rlhfkit.models.gathered import hf_model_of, is_zero3_partitioned
 from rlhfkit.models.attention import position_ids  # generate's positions: the real tokens of a left-padded row count from 0
 from rlhfkit.rollout.base import GenerationConfig, PromptBatch, RolloutBatch, postprocess
-from rlhfkit.rollout.fast_decode import llama_decoder
+from rlhfkit.rollout.fast_decode import Step, llama_decoder
 from rlhfkit.rollout.packing import packed_linears
+from rlhfkit.rollout.shared_decode import DecodeGroup, SharedDecoder
 
 
 def hf_generate(module: torch.nn.Module, prompts: PromptBatch, gen: GenerationConfig, device: torch.device,
-                synced_gpus: bool) -> RolloutBatch:
+                synced_gpus: bool, group: Optional[DecodeGroup] = None) -> RolloutBatch:
     """Sample ``prompts`` with exactly ``gen`` on a Hugging Face causal LM, then :func:`~rlhfkit.rollout.base.postprocess`.
 
     Rank-local generation runs :func:`decode` (``generate``'s semantics, faster sampling, one
     prefill per distinct prompt). ``synced_gpus=True`` (every rank keeps stepping until all are
     done: ZeRO-3 forwards are collective) runs ``module.generate``; ``synced_gpus`` is always passed
     to it explicitly: transformers would otherwise turn it on by itself whenever an
-    ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1.
+    ``HfDeepSpeedConfig`` with ZeRO-3 is alive and world size > 1. ``group``: the ranks that share
+    their decode steps (:mod:`~rlhfkit.rollout.shared_decode`; every rank of it calls this together).
     """
     input_ids = prompts.input_ids.to(device)
     attention_mask = prompts.attention_mask.to(device)
     P = input_ids.shape[1]
     if not synced_gpus:
-        new = decode(module, hf_model_of(module), input_ids, attention_mask, gen)
+        new = decode(module, hf_model_of(module), input_ids, attention_mask, gen, group)
         return postprocess(input_ids, attention_mask, new, gen.eos_ids, gen.pad_token_id)
     with isolated_generation_config(hf_model_of(module)), torch.no_grad():
         out = module.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen.to_hf(),
@@ -125,7 +129,7 @@ def _new_cache(hf_model: torch.nn.Module) -> Any:
 
 
 def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-           gen: GenerationConfig) -> torch.Tensor:
+           gen: GenerationConfig, group: Optional[DecodeGroup] = None) -> torch.Tensor:
     """Generate with ``gen`` after left-padded prompts ``input_ids`` [B, P] -> the new tokens [B, G],
     G <= gen.max_new_tokens (``gen.pad_token_id`` after a row's first EOS; the loop stops when every
     row has one).
@@ -136,12 +140,12 @@ def decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.
     """
     grad_off = torch.no_grad() if is_zero3_partitioned(module) else torch.inference_mode()
     with grad_off, packed_linears(module, input_ids.shape[0]):
-        new = _decode(module, hf_model, input_ids, attention_mask, gen)
+        new = _decode(module, hf_model, input_ids, attention_mask, gen, group)
     return new.clone()
 
 
 def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            gen: GenerationConfig) -> torch.Tensor:
+            gen: GenerationConfig, group: Optional[DecodeGroup]) -> torch.Tensor:
     B = input_ids.shape[0]
     dev = input_ids.device
     cache_kw, has_keep = _forward_kwargs(hf_model)
@@ -165,24 +169,22 @@ def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch
     del out
 
     mask, pos = attention_mask, position_ids(attention_mask)[:, -1:]
-    fast = llama_decoder(hf_model, cache, P + gen.max_new_tokens) if gen.max_new_tokens > 1 else None
+    fast = _fast_step(hf_model, cache, P + gen.max_new_tokens, group) if gen.max_new_tokens > 1 else None
     if fast is not None:
         del cache  # its KV now lives in the decoder's buffers
     unfinished = torch.ones(B, dtype=torch.bool, device=dev)
-    tokens = []
+    tokens, done = [], False
     for t in range(gen.max_new_tokens):
-        if t < gen.min_new_tokens:
-            logits[:, eos] = float("-inf")
-        if gen.do_sample:
-            for warp in steps:
-                logits = warp(None, logits)
-            nxt = sample_from_probs(torch.softmax(logits, dim=-1))
+        if done:  # this rank's rows have all ended while the group's others decode on: padding, nothing drawn
+            nxt = torch.full((B,), gen.pad_token_id, dtype=torch.long, device=dev)
         else:
-            nxt = logits.argmax(dim=-1)
-        nxt = torch.where(unfinished, nxt, torch.full_like(nxt, gen.pad_token_id))
-        tokens.append(nxt)
-        unfinished &= ~torch.isin(nxt, eos)
-        if t + 1 == gen.max_new_tokens or not bool(unfinished.any()):
+            nxt = _next_tokens(logits, t, eos, gen, steps)
+            nxt = torch.where(unfinished, nxt, torch.full_like(nxt, gen.pad_token_id))
+            tokens.append(nxt)
+            unfinished &= ~torch.isin(nxt, eos)
+            done = not bool(unfinished.any())
+        going_on = fast.running(nxt, done) if isinstance(fast, SharedDecoder) else not done
+        if t + 1 == gen.max_new_tokens or not going_on:
             break
         mask = torch.cat([mask, mask.new_ones(B, 1)], dim=1) if padded else None
         pos = pos + 1
@@ -193,3 +195,24 @@ def _decode(module: torch.nn.Module, hf_model: torch.nn.Module, input_ids: torch
         logits = out.logits[:, -1].float()
         del out
     return torch.stack(tokens, dim=1) if tokens else input_ids.new_zeros((B, 0))
+
+
+def _next_tokens(logits: torch.Tensor, t: int, eos: torch.Tensor, gen: GenerationConfig, steps: list) -> torch.Tensor:
+    """The token each row takes at new position ``t`` from its ``logits`` [B, V]: EOS suppressed below
+    ``min_new_tokens``, then sampled through the warpers ``steps``, or greedy."""
+    if t < gen.min_new_tokens:
+        logits[:, eos] = float("-inf")
+    if not gen.do_sample:
+        return logits.argmax(dim=-1)
+    for warp in steps:
+        logits = warp(None, logits)
+    return sample_from_probs(torch.softmax(logits, dim=-1))
+
+
+def _fast_step(hf_model: torch.nn.Module, cache: Any, capacity: int,
+               group: Optional[DecodeGroup]) -> Union[Step, SharedDecoder, None]:
+    """The decode step after the prefill: shared by the ``group`` of ranks, or this rank's own fast step
+    (None where the model is not one the fast step handles: its own forward then)."""
+    if group is not None:
+        return SharedDecoder(hf_model, cache, capacity, group)
+    return llama_decoder(hf_model, cache, capacity)
