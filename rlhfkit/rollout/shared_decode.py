@@ -17,10 +17,13 @@ they differ). Attention stays rank-local, each rank's own rows over its own KV b
 padding mask; each rank samples its own rows with its own random numbers. Ranks that finish first keep
 stepping with padding (drawing nothing) until every rank's rows have ended.
 
-It runs where every rank calls ``generate`` together with the same number of rows, under ZeRO-3, with
-the shared-memory collectives installed (one host) and the fast decode step supported: the ``hf``
-backend's ZeRO-3 path agrees on it at each call (:func:`decode_group`). ``RLHFKIT_SHARED_DECODE=0``
-decodes each rank's rows on its own.
+It runs where every rank calls ``generate`` together with the same number of rows, at most
+``MAX_ROWS`` in all, under ZeRO-3, with the shared-memory collectives installed (one host) and the fast
+decode step supported: the ``hf`` backend's ZeRO-3 path agrees on it at each call (:func:`decode_group`).
+Above ``MAX_ROWS`` oneDNN blocks a product's rows differently from a rank's own product (on the Xeon
+the bits of a row are the same up to 32 rows in all and differ at 48), so larger batches, such as a
+held-out evaluation's, decode each rank's rows on their own; a decode step is less bound by memory
+there anyway. ``RLHFKIT_SHARED_DECODE=0`` decodes each rank's rows on its own always.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rlhfkit.rollout.fast_decode import KVBuffers, supports
 from rlhfkit.rollout.packing import pack_dtype, packable, packed_product
 
 ENV = "RLHFKIT_SHARED_DECODE"
+MAX_ROWS = 32  # rows of every rank together: products give each row the bits of the rank's own product up to here
 
 
 @dataclass
@@ -77,7 +81,7 @@ def decode_group(hf_model: torch.nn.Module, rows: int, max_new_tokens: int) -> O
     shm = shm_collectives.installed()
     if shm is None:
         return None
-    ok = wanted() and rows > 0 and max_new_tokens > 1 and shareable(hf_model, shm.world)
+    ok = wanted() and 0 < rows * shm.world <= MAX_ROWS and max_new_tokens > 1 and shareable(hf_model, shm.world)
     answers = shm.exchange(torch.tensor([[float(ok), float(rows), float(max_new_tokens)]]))
     agreed = bool(answers[:, 0].all()) and bool((answers[:, 1:] == answers[:1, 1:]).all())
     return DecodeGroup(shm, shm.rank, shm.world, rows) if agreed else None

@@ -24,10 +24,10 @@ ROWS, PAD = 3, 0
 EOS = list(range(192, 224))  # an eighth of the vocabulary: rank 0's rows all end at step 8, rank 1's run to the limit
 
 
-def prompts(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank r's ROWS prompts: 9 + 4r tokens; rank 0's first row left-padded by 3."""
+def prompts(rank: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank r's ``rows`` prompts: 9 + 4r tokens; rank 0's first row left-padded by 3."""
     gen = torch.Generator().manual_seed(10 + rank)
-    ids = torch.randint(8, 200, (ROWS, 9 + 4 * rank), generator=gen)
+    ids = torch.randint(8, 200, (rows, 9 + 4 * rank), generator=gen)
     mask = torch.ones_like(ids)
     if rank == 0:
         ids[0, :3], mask[0, :3] = PAD, 0
@@ -70,6 +70,12 @@ def check_decoder(model, rank: int) -> dict:
         shared = decoded(model, ids, mask, gen, group, seed=5 + rank)
         got[name] = {"equal": torch.equal(own, shared), "same_random_stream_after": torch.equal(after_own, torch.rand(3)),
                      "width": own.shape[1], "ended": bool(torch.isin(own, torch.tensor(EOS)).any(-1).all())}
+    # the most rows the group shares (32 in all, where products were measured to keep each row's bits): still
+    # the rank's own tokens
+    most = 16
+    many, many_mask = prompts(rank, most)
+    got["greedy_most_rows"] = torch.equal(decoded(model, many, many_mask, greedy, None, seed=0),
+                                          decoded(model, many, many_mask, greedy, decode_group(model, most, 12), seed=0))
     own, shared = step_logits(model, ids, mask, None), step_logits(model, ids, mask, group)
     got["logits_bitwise"] = all(torch.equal(a, b) for a, b in zip(own, shared))
     got["logits_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(own, shared))
@@ -101,6 +107,9 @@ def check_backend(model, rank: int) -> dict:
     exchanges.clear()
     rollout.generate(PromptBatch(ids[:ROWS - rank], mask[:ROWS - rank]), gen)  # 3 rows on rank 0, 2 on rank 1
     got["unequal_rows_exchanges"] = len(exchanges)
+    exchanges.clear()
+    rollout.generate(PromptBatch(*prompts(rank, 17)), gen)  # more than 32 rows in all
+    got["too_many_rows_exchanges"] = len(exchanges)
     return got
 
 

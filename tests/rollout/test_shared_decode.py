@@ -26,6 +26,7 @@ def test_shared_decode_steps_give_each_rank_its_own_tokens(ranks):
             # the same tokens and widths, greedy and sampled (each rank's own random numbers), and nothing
             # drawn after a rank's rows have all ended while the other rank's still decode
             assert d[name]["equal"] and d[name]["same_random_stream_after"], (name, d)
+        assert d["greedy_most_rows"], d  # 32 rows in all
     # the case the sharing must handle: one rank's rows all end before the other's
     for name in ("greedy", "sampled"):
         widths = [got["decoder"][name]["width"] for got in ranks]
@@ -46,8 +47,8 @@ def test_hf_backend_shares_zero3_decode_steps_only_when_every_rank_can(ranks):
         # one exchange to agree, one a step to hand over the tokens (10 steps), and five a layer (2 layers) and one
         # for the logits in each of the 9 decode steps after the prefill
         assert b["exchanges"] == 1 + 10 + 9 * (2 * 5 + 1) and b["equals_generate"], b
-        # unequal row counts: the ranks agree (one exchange) not to share, and decode apart
-        assert b["unequal_rows_exchanges"] == 1, b
+        # unequal row counts, or more than 32 rows in all: the ranks agree (one exchange) not to share
+        assert b["unequal_rows_exchanges"] == 1 and b["too_many_rows_exchanges"] == 1, b
 
 
 def test_shared_decode_is_off_on_request(monkeypatch):
