@@ -93,7 +93,8 @@ class HFRolloutEngine(RolloutBackend):
         model = self.copy.model()
         t1 = time.perf_counter()
         try:
-            group = decode_group(hf_model_of(model), len(prompts), gen.max_new_tokens)  # the ranks share decode steps where they can
+            # the ranks share their decode steps where every one of them can (collective)
+            group = decode_group(hf_model_of(model), len(prompts), gen.max_new_tokens)
             if len(prompts) == 0:
                 return empty_rollout(prompts, self.device)
             return hf_generate(model, prompts, gen, self.device, synced_gpus=False, group=group)

@@ -28,6 +28,7 @@ there anyway. ``RLHFKIT_SHARED_DECODE=0`` decodes each rank's rows on its own al
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rlhfkit import shm_collectives
+from rlhfkit.errors import ConfigError
 from rlhfkit.rollout.fast_decode import KVBuffers, supports
 from rlhfkit.rollout.packing import pack_dtype, packable, packed_product
 
@@ -53,9 +55,10 @@ class DecodeGroup:
 
 
 def wanted() -> bool:
+    """Whether ``RLHFKIT_SHARED_DECODE`` lets the ranks share decode steps (the default: yes)."""
     choice = os.environ.get(ENV, "1").strip().lower()
     if choice not in ("0", "1"):
-        raise ValueError(f"{ENV}={choice!r}: use 1 (ranks on one host share decode steps) or 0")
+        raise ConfigError(f"{ENV}={choice!r}: use 1 (ranks on one host share decode steps) or 0")
     return choice == "1"
 
 
@@ -99,17 +102,17 @@ class SharedDecoder:
         self.own = slice(g.rank * g.rows, (g.rank + 1) * g.rows)
         kv = self.kv
         self.sizes = [kv.heads * kv.head_dim, kv.kv_heads * kv.head_dim, kv.kv_heads * kv.head_dim]
+        pack = functools.partial(packed_product, rows=rows, dtype=dtype)
+        cols = functools.partial(_columns, group=g)
         with torch.no_grad():
             self.qkv, self.o, self.gate_up, self.down = [], [], [], []
             for layer in kv.layers:
                 a, mlp = layer.self_attn, layer.mlp
-                self.qkv.append(packed_product(_columns(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]), g),
-                                               rows, dtype))
-                self.o.append(packed_product(_columns(a.o_proj.weight, g), rows, dtype))
-                self.gate_up.append(packed_product(torch.cat([_columns(mlp.gate_proj.weight, g), _columns(mlp.up_proj.weight, g)]),
-                                                   rows, dtype))
-                self.down.append(packed_product(_columns(mlp.down_proj.weight, g), rows, dtype))
-            self.head = packed_product(_columns(hf_model.lm_head.weight, g), rows, dtype)
+                self.qkv.append(pack(cols(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))))
+                self.o.append(pack(cols(a.o_proj.weight)))
+                self.gate_up.append(pack(torch.cat([cols(mlp.gate_proj.weight), cols(mlp.up_proj.weight)])))
+                self.down.append(pack(cols(mlp.down_proj.weight)))
+            self.head = pack(cols(hf_model.lm_head.weight))
         self.tokens: Optional[torch.Tensor] = None
 
     def running(self, tokens: torch.Tensor, done: bool) -> bool:

@@ -46,7 +46,8 @@ def step_logits(model, ids, mask, group, steps: int = 6) -> list[torch.Tensor]:
         cache = _new_cache(model)
         pos = position_ids(mask)
         model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{_forward_kwargs(model)[0]: cache})
-        step = SharedDecoder(model, cache, ids.shape[1] + steps, group) if group else llama_decoder(model, cache, ids.shape[1] + steps)
+        capacity = ids.shape[1] + steps
+        step = SharedDecoder(model, cache, capacity, group) if group else llama_decoder(model, cache, capacity)
         out, full = [], mask.bool()
         for t in range(steps):
             tokens = torch.full((ids.shape[0],), 11 + t)
@@ -130,6 +131,8 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(everyone, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

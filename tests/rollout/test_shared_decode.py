@@ -52,10 +52,11 @@ def test_hf_backend_shares_zero3_decode_steps_only_when_every_rank_can(ranks):
 
 
 def test_shared_decode_is_off_on_request(monkeypatch):
+    from rlhfkit.errors import ConfigError
     from rlhfkit.rollout import shared_decode
 
     monkeypatch.setenv(shared_decode.ENV, "0")
     assert not shared_decode.wanted()
     monkeypatch.setenv(shared_decode.ENV, "maybe")
-    with pytest.raises(ValueError, match="RLHFKIT_SHARED_DECODE='maybe'"):
+    with pytest.raises(ConfigError, match="RLHFKIT_SHARED_DECODE='maybe'"):
         shared_decode.wanted()
