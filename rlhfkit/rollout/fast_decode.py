@@ -66,6 +66,11 @@ class KVBuffers:
             self.keys[-1][:, :, :self.filled] = k
             self.values[-1][:, :, :self.filled] = v
 
+    @property
+    def qkv_sizes(self) -> list[int]:
+        """The widths of the query, key and value projections, as one fused product's output splits."""
+        return [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+
     def check_room(self) -> None:
         if self.filled >= self.capacity:
             raise RuntimeError(f"the decode buffers hold {self.capacity} positions")
@@ -104,7 +109,7 @@ def llama_decoder(hf_model: torch.nn.Module, cache: Any, capacity: int) -> Optio
     body = hf_model.model
     kv = KVBuffers(hf_model, cache, capacity)
     attns = [layer.self_attn for layer in kv.layers]
-    sizes = [kv.heads * kv.head_dim, kv.kv_heads * kv.head_dim, kv.kv_heads * kv.head_dim]
+    sizes = kv.qkv_sizes
     qkv = [fused_linear([a.q_proj, a.k_proj, a.v_proj], kv.rows) for a in attns]
     gate_up = [fused_linear([layer.mlp.gate_proj, layer.mlp.up_proj], kv.rows) for layer in kv.layers]
 

@@ -18,8 +18,10 @@ padding mask; each rank samples its own rows with its own random numbers. Ranks 
 stepping with padding (drawing nothing) until every rank's rows have ended.
 
 It runs where every rank calls ``generate`` together with the same number of rows, at most
-``MAX_ROWS`` in all, under ZeRO-3, with the shared-memory collectives installed (one host) and the fast
-decode step supported: the ``hf`` backend's ZeRO-3 path agrees on it at each call (:func:`decode_group`).
+``MAX_ROWS`` in all, for a model whose products' weights exceed a host's caches (``MIN_WEIGHT_BYTES``;
+on smaller ones a step is not bound by memory and the exchanges cost more than they save), under
+ZeRO-3, with the shared-memory collectives installed (one host) and the fast decode step supported:
+the ``hf`` backend's ZeRO-3 path agrees on it at each call (:func:`decode_group`).
 Above ``MAX_ROWS`` oneDNN blocks a product's rows differently from a rank's own product (on the Xeon
 the bits of a row are the same up to 32 rows in all and differ at 48), so larger batches, such as a
 held-out evaluation's, decode each rank's rows on their own; a decode step is less bound by memory
@@ -42,6 +44,7 @@ from rlhfkit.rollout.packing import pack_dtype, packable, packed_product
 
 ENV = "RLHFKIT_SHARED_DECODE"
 MAX_ROWS = 32  # rows of every rank together: products give each row the bits of the rank's own product up to here
+MIN_WEIGHT_BYTES = 16 << 20  # smaller products' weights stay in the caches: a step is not bound by memory there
 
 
 @dataclass
@@ -64,7 +67,8 @@ def wanted() -> bool:
 
 def shareable(hf_model: torch.nn.Module, world: int) -> bool:
     """The fast decode step runs for ``hf_model``, every product it splits is a plain packable linear layer
-    without bias, and their output columns divide evenly among ``world`` ranks."""
+    without bias, their output columns divide evenly among ``world`` ranks, and their weights together
+    hold at least ``MIN_WEIGHT_BYTES`` (more than a host's caches)."""
     if not supports(hf_model) or pack_dtype() is None:
         return False
     layers = hf_model.model.layers[: hf_model.config.num_hidden_layers]
@@ -74,7 +78,9 @@ def shareable(hf_model: torch.nn.Module, world: int) -> bool:
     widths = [hf_model.lm_head.out_features] + [n for a, mlp in zip(attns, mlps) for n in (
         a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features, a.o_proj.out_features,
         mlp.gate_proj.out_features, mlp.down_proj.out_features)]
-    return all(packable(m) and m.bias is None for m in linears) and all(n % world == 0 for n in widths)
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    return (weight_bytes >= MIN_WEIGHT_BYTES and all(packable(m) and m.bias is None for m in linears)
+            and all(n % world == 0 for n in widths))
 
 
 def decode_group(hf_model: torch.nn.Module, rows: int, max_new_tokens: int) -> Optional[DecodeGroup]:
@@ -101,7 +107,7 @@ class SharedDecoder:
         g, rows, dtype = group, group.rows * group.world, pack_dtype()
         self.own = slice(g.rank * g.rows, (g.rank + 1) * g.rows)
         kv = self.kv
-        self.sizes = [kv.heads * kv.head_dim, kv.kv_heads * kv.head_dim, kv.kv_heads * kv.head_dim]
+        self.sizes = kv.qkv_sizes
         pack = functools.partial(packed_product, rows=rows, dtype=dtype)
         cols = functools.partial(_columns, group=g)
         with torch.no_grad():

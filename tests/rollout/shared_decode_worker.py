@@ -17,10 +17,12 @@ from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
 from rlhfkit.rollout.fast_decode import llama_decoder
 from rlhfkit.models import position_ids
 from rlhfkit.rollout.sampling import _forward_kwargs, _new_cache, decode
+from rlhfkit.rollout import shared_decode
 from rlhfkit.rollout.shared_decode import SharedDecoder, decode_group
 from transformers import LlamaConfig, LlamaForCausalLM
 
 ROWS, PAD = 3, 0
+BOUND = shared_decode.MIN_WEIGHT_BYTES  # the module's: this test's model is far smaller, so main() lowers it
 EOS = list(range(192, 224))  # an eighth of the vocabulary: rank 0's rows all end at step 8, rank 1's run to the limit
 
 
@@ -111,6 +113,11 @@ def check_backend(model, rank: int) -> dict:
     exchanges.clear()
     rollout.generate(PromptBatch(*prompts(rank, 17)), gen)  # more than 32 rows in all
     got["too_many_rows_exchanges"] = len(exchanges)
+    exchanges.clear()
+    shared_decode.MIN_WEIGHT_BYTES = BOUND  # weights that fit in the caches: each rank decodes alone
+    rollout.generate(PromptBatch(ids, mask), gen)
+    shared_decode.MIN_WEIGHT_BYTES = 0
+    got["small_weights_exchanges"] = len(exchanges)
     return got
 
 
@@ -121,6 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     distributed.init()
     rank = distributed.rank()
+    shared_decode.MIN_WEIGHT_BYTES = 0  # share this test's tiny model's steps
     torch.manual_seed(0)  # the same weights on every rank
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, pad_token_id=PAD,

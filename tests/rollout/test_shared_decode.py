@@ -47,8 +47,10 @@ def test_hf_backend_shares_zero3_decode_steps_only_when_every_rank_can(ranks):
         # one exchange to agree, one a step to hand over the tokens (10 steps), and five a layer (2 layers) and one
         # for the logits in each of the 9 decode steps after the prefill
         assert b["exchanges"] == 1 + 10 + 9 * (2 * 5 + 1) and b["equals_generate"], b
-        # unequal row counts, or more than 32 rows in all: the ranks agree (one exchange) not to share
+        # unequal row counts, more than 32 rows in all, or weights below the bound (this tiny model's, at the
+        # module's own bound): the ranks agree (one exchange) not to share
         assert b["unequal_rows_exchanges"] == 1 and b["too_many_rows_exchanges"] == 1, b
+        assert b["small_weights_exchanges"] == 1, b
 
 
 def test_shared_decode_is_off_on_request(monkeypatch):
