@@ -116,7 +116,7 @@ def check_backend(model, rank: int) -> dict:
     exchanges.clear()
     shared_decode.MIN_WEIGHT_BYTES = BOUND  # weights that fit in the caches: each rank decodes alone
     rollout.generate(PromptBatch(ids, mask), gen)
-    shared_decode.MIN_WEIGHT_BYTES = 0
+    shared_decode.MIN_WEIGHT_BYTES = 1
     got["small_weights_exchanges"] = len(exchanges)
     return got
 
@@ -128,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     distributed.init()
     rank = distributed.rank()
-    shared_decode.MIN_WEIGHT_BYTES = 0  # share this test's tiny model's steps
+    shared_decode.MIN_WEIGHT_BYTES = 1  # share this tiny model's steps (weights counted on the gathered copy, not the shards)
     torch.manual_seed(0)  # the same weights on every rank
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, pad_token_id=PAD,
