@@ -13,16 +13,16 @@ import torch
 
 from rlhfkit import distributed, shm_collectives
 from rlhfkit.engines import batch_plan, build_engine
-from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
+from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine, shared_decode
 from rlhfkit.rollout.fast_decode import llama_decoder
 from rlhfkit.models import position_ids
 from rlhfkit.rollout.sampling import _forward_kwargs, _new_cache, decode
-from rlhfkit.rollout import shared_decode
 from rlhfkit.rollout.shared_decode import SharedDecoder, decode_group
 from transformers import LlamaConfig, LlamaForCausalLM
 
 ROWS, PAD = 3, 0
 BOUND = shared_decode.MIN_WEIGHT_BYTES  # the module's: this test's model is far smaller, so main() lowers it
+LOW_BOUND = 1  # bytes: any gathered copy shares its steps; weights counted on ZeRO-3 shards (no elements) would not
 EOS = list(range(192, 224))  # an eighth of the vocabulary: rank 0's rows all end at step 8, rank 1's run to the limit
 
 
@@ -116,7 +116,7 @@ def check_backend(model, rank: int) -> dict:
     exchanges.clear()
     shared_decode.MIN_WEIGHT_BYTES = BOUND  # weights that fit in the caches: each rank decodes alone
     rollout.generate(PromptBatch(ids, mask), gen)
-    shared_decode.MIN_WEIGHT_BYTES = 1
+    shared_decode.MIN_WEIGHT_BYTES = LOW_BOUND
     got["small_weights_exchanges"] = len(exchanges)
     return got
 
@@ -128,7 +128,7 @@ def main() -> None:
     args = ap.parse_args()
     distributed.init()
     rank = distributed.rank()
-    shared_decode.MIN_WEIGHT_BYTES = 1  # share this tiny model's steps (weights counted on the gathered copy, not the shards)
+    shared_decode.MIN_WEIGHT_BYTES = LOW_BOUND  # share this tiny model's steps
     torch.manual_seed(0)  # the same weights on every rank
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, pad_token_id=PAD,
