@@ -214,7 +214,7 @@ def main() -> None:
     # the peak is measured before and after the runs and the higher one kept: a noisy machine's low
     # reading would otherwise inflate every fraction of it
     cfg = AutoConfig.from_pretrained(args.model)
-    shapes = peak_shapes(cfg.hidden_size, cfg.intermediate_size)
+    shapes = peak_shapes(cfg.hidden_size, getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size)
     before = {"bf16": matmul_peak(bf16_products, threads, shapes), "fp32": matmul_peak("float32", threads, shapes)}
     with tempfile.TemporaryDirectory() as work:
         runs = run_stage(args, work)
