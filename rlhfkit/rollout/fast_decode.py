@@ -35,10 +35,12 @@ Step = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tens
 
 
 def supports(hf_model: torch.nn.Module) -> bool:
+    """A ZeRO-3 partitioned model (``hf-synced`` on one rank) keeps its own forward: ZeRO-3 gathers a
+    layer's weights in hooks on the modules it calls, and the step calls the layers' parts directly."""
     cfg = hf_model.config
     return (getattr(cfg, "model_type", None) == "llama" and getattr(cfg, "_attn_implementation", None) == "sdpa"
             and not hf_model.training and getattr(cfg, "pretraining_tp", 1) in (None, 1)
-            and hf_model.lm_head.weight.device.type == "cpu")
+            and hf_model.lm_head.weight.device.type == "cpu" and not any(hasattr(p, "ds_id") for p in hf_model.parameters()))
 
 
 class KVBuffers:
