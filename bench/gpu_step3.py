@@ -245,12 +245,17 @@ def main() -> None:
         for backend in [b.strip() for b in args.backends.split(",")]:
             results.append(run_backend(tree, args, backend, actor, critic, os.path.join(work, backend)))
             print(f"{backend}: " + (f"{results[-1]['step_s']:.2f} s/step" if "error" not in results[-1] else "failed"), flush=True)
+            write(args.out, meta, results, None)  # so far: a run stopped at its time limit keeps what it measured
         plain = plain_generate(actor, args, device)
     add_rates(results, args, sizes, meta["peak_tflops"], spec)
     print_table(results, plain, meta)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results, "plain_generate": plain}, f, indent=2)
+    write(args.out, meta, results, plain)
     print(f"written {args.out}")
+
+
+def write(path: str, meta: dict, results: list[dict], plain: dict | None) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results, "plain_generate": plain}, f, indent=2)
 
 
 if __name__ == "__main__":
