@@ -26,12 +26,19 @@ def apply_lora(model: Any, lora_dim: int, lora_alpha: Optional[float], module_na
     from peft import get_peft_model
 
     try:
-        peft_model = get_peft_model(model, lora_config(lora_dim, lora_alpha, module_names, task_type))
+        # adapters in the base weights' dtype: ZeRO-3 flattens a parameter group into one buffer of one
+        # dtype (peft's default fp32 adapters beside bf16 weights stop it); ZeRO-0/2 cast them so anyway
+        peft_model = get_peft_model(model, lora_config(lora_dim, lora_alpha, module_names, task_type),
+                                    autocast_adapter_dtype=False)
     except ValueError as e:
         raise ConfigError(f"LoRA: {e} (check --lora_module_name {module_names})") from None
     for name, p in peft_model.named_parameters():
         if "lora_" in name or not only_optimize_lora or name.split(".")[-2] in ("score", "v_head"):
             p.requires_grad_(True)
+    if only_optimize_lora and hasattr(peft_model, "enable_input_require_grads"):
+        # the frozen embedding's output then records gradients, as the blocks' inputs do when everything
+        # trains: ZeRO-3 gathers each transformer block for its backward in hooks that need them
+        peft_model.enable_input_require_grads()
     return peft_model
 
 
