@@ -185,6 +185,7 @@ def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
         (["--actor_zero_stage", "4"], "--actor_zero_stage 4 is out of range"),
         (["--empty_reward", "never"], "--empty_reward never: use min, keep or a number"),
         (["--algo", "grpo", "--n_samples_per_prompt", "2", "--freezing_actor_steps", "2"], "a critic warm-up, for --algo ppo only"),
+        (["--unsupervised_dataset_name", str(data / "pairs.jsonl"), "--actor_zero_stage", "3"], "with --actor_zero_stage 3 is not supported"),
     ]
     for extra, message in cases:
         proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", tmp_path / "x", *extra),
@@ -304,3 +305,12 @@ def test_compiled_blocks_train_the_actor_and_the_critic_as_eager_blocks_do(tiny_
         assert weights_changed(tiny_dir, out / "actor") and weights_changed(reward_dir, out / "critic")
     for key in ("policy/loss", "value/loss", "policy/entropy", "reward/score_mean"):
         assert steps["compiled"][key] == pytest.approx(steps["eager"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_ptx_loss_joins_the_actor_update(tiny_dir, reward_dir, data, tmp_path):
+    """--unsupervised_dataset_name: an SFT batch's loss joins each actor update (InstructGPT's PPO-ptx), logged."""
+    out = tmp_path / "ptx"
+    run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--unsupervised_dataset_name",
+                                              str(data / "pairs.jsonl"), "--unsup_coef", "0.5"), nprocs=0)
+    steps = [r for r in read_metrics(out) if "policy/loss" in r]
+    assert steps and all(math.isfinite(r["policy/ptx_loss"]) and r["policy/ptx_loss"] > 0 for r in steps), steps
