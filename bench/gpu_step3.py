@@ -35,6 +35,7 @@ import torch
 
 from pinned_flags import STEP3
 from revisions import REPO, current_tree, pinned_args, run_program, tree_env
+from step3 import step_figures
 from workloads import exact_length_prompts
 
 HH = REPO / ".." / "shared" / "data" / "hh-rlhf-harmless-base" / "pairs.jsonl.gz"
@@ -46,8 +47,6 @@ SIZES = {  # name -> (actor, critic) LlamaConfig fields; the vocabulary is the t
              dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)),
 }
 SPEC_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}  # dense bf16, NVIDIA's spec sheets (SXM)
-LOGGED = {"step_s": "time/step_s", "generation_s": "time/generation_s", "experience_s": "time/experience_s",
-          "training_s": "time/training_s", "gen_tokens_per_s": "perf/gen_tokens_per_s"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,11 +82,9 @@ def build_checkpoints(tokenizer_dir: str, size: str, work: str) -> tuple[str, st
         model.save_pretrained(path)
         tok.save_pretrained(path)
         paths.append(path)
-    embed = actor.config.vocab_size * actor.config.hidden_size
     sizes = {"actor_params": sum(p.numel() for p in actor.parameters()), "critic_params": sum(p.numel() for p in critic.parameters())}
     # parameters in products: the actor's tied embedding is its LM head (counted once); the critic's is a lookup only
     sizes["product_params"] = sizes["actor_params"] + sizes["critic_params"] - critic.config.vocab_size * critic.config.hidden_size
-    sizes["actor_embedding"] = embed
     return paths[0], paths[1], sizes
 
 
@@ -109,10 +106,7 @@ def run_backend(tree, args, backend: str, actor: str, critic: str, out: str) -> 
         run_program(tree, SCRIPT, argv, nprocs=1, env=tree_env(tree, threads=threads))
     except SystemExit as failed:  # run_program exits with the program's output tail
         return {"name": backend, "error": str(failed)[-1500:]}
-    rows = [json.loads(x) for x in Path(out, "logs", "metrics.jsonl").read_text().splitlines() if "time/step_s" in x]
-    timed = rows[1:] or rows
-    figures = {field: sum(r[key] for r in timed) / len(timed) for field, key in LOGGED.items()}
-    return {"name": backend, "steps_timed": len(timed), **figures, "peak_gb": max(r["mem/peak_rss_gb"] for r in rows)}
+    return {"name": backend, **step_figures(out)}
 
 
 def plain_generate(actor: str, args, device: torch.device) -> dict:

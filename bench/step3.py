@@ -70,10 +70,16 @@ def run(tree, name: str, args, out: str, options: dict[str, dict]) -> dict:
     argv = [*pinned, "--actor_model_name_or_path", args.actor, "--critic_model_name_or_path", args.critic,
             "--data_path", args.data, "--output_dir", out, "--max_steps", str(args.steps)]
     run_program(tree, SCRIPT, argv, nprocs=2, env=tree_env(tree, threads=max(1, (os.cpu_count() or 2) // 2)))
+    return {"name": name, **step_figures(out)}
+
+
+def step_figures(out: str) -> dict:
+    """A step-3 run's figures from its metrics log: means over the timed steps (the first, a warm-up, left
+    out), their count, and the peak memory of any step."""
     rows = [json.loads(x) for x in Path(out, "logs", "metrics.jsonl").read_text().splitlines() if "time/step_s" in x]
     timed = rows[1:] or rows
     figures = {field: sum(r[key] for r in timed) / len(timed) for field, key in LOGGED.items()}
-    return {"name": name, "steps_timed": len(timed), **figures, "peak_gb": max(r["mem/peak_rss_gb"] for r in rows)}
+    return {"steps_timed": len(timed), **figures, "peak_gb": max(r["mem/peak_rss_gb"] for r in rows)}
 
 
 def print_plain(results: list[dict], answer: int) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rlhfkit.models import cpu_bf16
+from rlhfkit.models.gathered import is_zero3_partitioned
 from rlhfkit.rollout.packing import fused_linear
 
 Step = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
@@ -40,7 +41,7 @@ def supports(hf_model: torch.nn.Module) -> bool:
     cfg = hf_model.config
     return (getattr(cfg, "model_type", None) == "llama" and getattr(cfg, "_attn_implementation", None) == "sdpa"
             and not hf_model.training and getattr(cfg, "pretraining_tp", 1) in (None, 1)
-            and hf_model.lm_head.weight.device.type == "cpu" and not any(hasattr(p, "ds_id") for p in hf_model.parameters()))
+            and hf_model.lm_head.weight.device.type == "cpu" and not is_zero3_partitioned(hf_model))
 
 
 class KVBuffers:

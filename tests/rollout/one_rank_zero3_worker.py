@@ -12,6 +12,7 @@ import torch
 
 from rlhfkit import distributed
 from rlhfkit.engines import batch_plan, build_engine
+from rlhfkit.models.gathered import is_zero3_partitioned
 from rlhfkit.rollout import GenerationConfig, PromptBatch, make_rollout_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -40,7 +41,7 @@ def main() -> None:
     engine = build_engine(copy.deepcopy(model).train(), plan=batch_plan(ROWS, 1), zero_stage=3, dtype="bf16", offload=False,
                           learning_rate=1e-3, weight_decay=0.0, betas=(0.9, 0.95), gradient_clipping=1.0,
                           lr_scheduler_type="constant", num_warmup_steps=0, total_steps=1)
-    got = {"partitioned": any(hasattr(p, "ds_id") for p in engine.module.parameters()), "want": want.tolist()}
+    got = {"partitioned": is_zero3_partitioned(engine.module), "want": want.tolist()}
     for backend in ("hf-synced", "hf"):
         out = make_rollout_engine(backend, engine).generate(PromptBatch(ids, mask), gen).response_ids
         got[backend] = out.tolist()
