@@ -225,10 +225,6 @@ class Step3Config(Step3Models, Step3Data, Step3Generation, Step3Algo, Step3Train
                               "(>= 0)")
         if spec.needs_groups and self.n_samples_per_prompt < 2:
             raise ConfigError(f"--algo {self.algo} compares samples of a prompt: set --n_samples_per_prompt >= 2")
-        if self.unsupervised_dataset_name and self.actor_zero_stage == 3:
-            # the PTX forward joins the policy loss in one backward; ZeRO-3 reduces a parameter's gradient once a backward
-            raise ConfigError("--unsupervised_dataset_name (the PTX loss) with --actor_zero_stage 3 is not supported yet: "
-                              "use --actor_zero_stage 2 (or 0, 1)")
         self.validate_objective(spec)
         if self.kl_estimator is None:
             self.kl_estimator = spec.kl_estimator

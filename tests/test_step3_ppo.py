@@ -185,7 +185,6 @@ def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
         (["--actor_zero_stage", "4"], "--actor_zero_stage 4 is out of range"),
         (["--empty_reward", "never"], "--empty_reward never: use min, keep or a number"),
         (["--algo", "grpo", "--n_samples_per_prompt", "2", "--freezing_actor_steps", "2"], "a critic warm-up, for --algo ppo only"),
-        (["--unsupervised_dataset_name", str(data / "pairs.jsonl"), "--actor_zero_stage", "3"], "with --actor_zero_stage 3 is not supported"),
     ]
     for extra, message in cases:
         proc = run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", tmp_path / "x", *extra),
@@ -314,3 +313,32 @@ def test_ptx_loss_joins_the_actor_update(tiny_dir, reward_dir, data, tmp_path):
                                               str(data / "pairs.jsonl"), "--unsup_coef", "0.5"), nprocs=0)
     steps = [r for r in read_metrics(out) if "policy/loss" in r]
     assert steps and all(math.isfinite(r["policy/ptx_loss"]) and r["policy/ptx_loss"] > 0 for r in steps), steps
+
+
+@pytest.mark.distributed
+def test_ptx_under_zero3_matches_zero2(tiny_dir, reward_dir, data, tmp_path):
+    """PTX with a ZeRO-3 actor (two backwards into one step) takes ZeRO-2's steps (one backward of the summed
+    loss): the same samples, so the same updates up to the reductions' rounding, and far from the updates
+    without the PTX term. The first actor update is made non-finite and skipped: the gradients of its first
+    backward must not reach the second step."""
+    actors = {}
+    for name, zero, ptx in (("z2", "2", True), ("z3", "3", True), ("z3_no_ptx", "3", False)):
+        extra = ["--unsupervised_dataset_name", str(data / "pairs.jsonl")] if ptx else []
+        out = tmp_path / name
+        run_program("step3_ppo/main.py", ppo_args(tiny_dir, reward_dir, data / "pairs.jsonl", out, "--actor_zero_stage", zero,
+                                                  "--critic_zero_stage", zero, "--actor_learning_rate", "1e-3",
+                                                  "--eval_fraction", "0", "--max_steps", "2", *extra), nprocs=2,
+                    env_extra={"RLHFKIT_FAULT_NAN_AT": "1"})  # the guard's first loss: step 1's actor update
+        actors[name] = load_file(out / "actor" / "model.safetensors")
+        steps = [r for r in read_metrics(out) if "policy/loss" in r]
+        assert len(steps) == 2 and all(("policy/ptx_loss" in r) == ptx for r in steps), steps
+        assert [r["nonfinite/skipped"] for r in steps] == [1, 1], steps
+    start = load_file(tiny_dir / "model.safetensors")
+    assert relative_gap(actors["z3"], actors["z2"], start) < 2e-4  # a planted bug gave 0.007 and 0.016
+    assert relative_gap(actors["z3_no_ptx"], actors["z2"], start) > 0.3
+
+
+def relative_gap(a: dict, b: dict, start: dict) -> float:
+    """The summed |a - b| over the weights, relative to how far the training moved ``b`` from ``start``."""
+    return sum((a[k].float() - b[k].float()).abs().sum().item() for k in start) / \
+        sum((b[k].float() - start[k].float()).abs().sum().item() for k in start)

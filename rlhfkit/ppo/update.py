@@ -23,6 +23,7 @@ from rlhfkit.algos import aggregate_loss, clipped_value_loss, kl_estimate, kl_lo
 from rlhfkit.experience import Experience, actor_forward, critic_forward, packs_groups
 from rlhfkit.rl import AlgoSpec, compute_advantages, policy_loss
 from rlhfkit.loaders import to_device
+from rlhfkit.models.gathered import is_zero3_partitioned
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,15 +172,41 @@ def actor_update(models: Trainables, mb: Experience, s: UpdateSettings, kl_coef:
                           num_seqs=agg["num_seqs"], norm_constant=s.norm_constant)
         loss = loss + kl_coef * kl_term
         stats.kl_loss = kl_term.item()
+    if ptx_batch is not None and is_zero3_partitioned(models.actor):
+        ptx_apart(models.actor, loss, ptx_batch, s.unsup_coef, guard, stats)
+        return stats
     if ptx_batch is not None:
-        logits = models.actor(input_ids=ptx_batch["input_ids"], attention_mask=ptx_batch["attention_mask"], use_cache=False).logits
-        ptx_loss, _ = sft_loss(logits, ptx_batch["labels"])
-        loss = loss + s.unsup_coef * ptx_loss
-        stats.ptx_loss = ptx_loss.item()
+        loss = loss + s.unsup_coef * ptx_term(models.actor, ptx_batch, stats)
     if guard(loss):
         models.actor.backward(loss)
         models.actor.step()
     return stats
+
+
+def ptx_term(actor: Any, ptx_batch: dict, stats: UpdateStats) -> torch.Tensor:
+    """The PTX (pretraining) SFT loss of ``actor`` on ``ptx_batch``, before its coefficient (logged in ``stats``)."""
+    logits = actor(input_ids=ptx_batch["input_ids"], attention_mask=ptx_batch["attention_mask"], use_cache=False).logits
+    ptx_loss, _ = sft_loss(logits, ptx_batch["labels"])
+    stats.ptx_loss = ptx_loss.item()
+    return ptx_loss
+
+
+def ptx_apart(actor: Any, loss: torch.Tensor, ptx_batch: dict, unsup_coef: float, guard: Callable[[torch.Tensor], bool],
+              stats: UpdateStats) -> None:
+    """One optimiser step of a ZeRO-3 actor on ``loss + unsup_coef * PTX``, in two backwards: ZeRO-3 reduces a
+    parameter's gradient once a backward, so the two forwards cannot share one. The first backward is not an
+    accumulation boundary, so the second adds to its gradients and the step sees their sum; the PTX forward runs
+    after the first backward (DeepSpeed counts a micro-step at the forward after a backward). One guard covers both
+    losses; a skipped step drops the first backward's gradients."""
+    actor.set_gradient_accumulation_boundary(False)
+    actor.backward(loss)
+    ptx = unsup_coef * ptx_term(actor, ptx_batch, stats)
+    actor.set_gradient_accumulation_boundary(True)
+    if guard(loss.detach() + ptx.detach()):
+        actor.backward(ptx)
+        actor.step()
+    else:
+        actor.optimizer.zero_grad()
 
 
 def train_on(models: Trainables, exp: Experience, s: UpdateSettings, *, kl_coef: float, packed_group_size: int,
