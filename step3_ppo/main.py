@@ -25,7 +25,7 @@ from tqdm import tqdm  # noqa: E402
 from rlhfkit import distributed as dist  # noqa: E402
 from rlhfkit.checkpoint import build_manifest, check_model_dir, check_output_dir, check_same_tokenizer, export_model  # noqa: E402
 from rlhfkit.config import config_dict  # noqa: E402
-from rlhfkit.data import collate_prompts, collate_sft, load_phase_data, tokenize_prompts, tokenize_sft, with_prompt_suffix  # noqa: E402
+from rlhfkit.data import collate_prompts, collate_sft, load_phase_data, load_ptx_rows, tokenize_prompts, tokenize_sft, with_prompt_suffix  # noqa: E402
 from rlhfkit.metrics import MetricsLogger  # noqa: E402
 from rlhfkit.models import load_tokenizer  # noqa: E402
 from rlhfkit.ppo import ExperienceMaker, HeldOutEval, Trainables, UpdateSettings, add_advantages, build_models, part_means  # noqa: E402
@@ -84,8 +84,7 @@ def ptx_batches(cfg: Step3Config, tokenizer) -> BatchStream | None:
     """PTX: SFT batches of ``--unsupervised_dataset_name``, one per update, or None."""
     if not cfg.unsupervised_dataset_name:
         return None
-    rows, _, _ = load_phase_data(cfg.unsupervised_dataset_name, phase=1, need="sft", data_split="1,0,0", seed=cfg.seed,
-                                 eval_fraction=0.0, strict=cfg.strict)
+    rows = load_ptx_rows(cfg.unsupervised_dataset_name, seed=cfg.seed, strict=cfg.strict)
     features, _ = tokenize_sft(rows, tokenizer, cfg.max_prompt_seq_len + cfg.max_answer_seq_len)
     collate = functools.partial(collate_sft, pad_token_id=tokenizer.pad_token_id)
     return BatchStream(train_loader(features, collate, cfg.per_device_training_batch_size, cfg.seed))

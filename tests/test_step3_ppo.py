@@ -178,7 +178,10 @@ def test_critic_warm_up_freezes_the_actor_for_its_steps(tiny_dir, reward_dir, da
 
 
 def test_bad_setups_give_one_message(tiny_dir, reward_dir, data, tmp_path):
+    prompts_only = tmp_path / "prompts.jsonl"
+    prompts_only.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in PROMPTS))
     cases = [
+        (["--unsupervised_dataset_name", str(prompts_only)], "but the PTX loss (step 3's --unsupervised_dataset_name) needs "),
         (["--algo", "grpo"], "set --n_samples_per_prompt >= 2"),
         (["--per_device_training_batch_size", "3"], "must divide the samples per rank"),
         (["--rollout_backend", "deepspeed"], "needs CUDA"),

@@ -9,7 +9,7 @@ The tokenisation and collation parts import torch / a tokenizer only when used.
 """
 
 from rlhfkit.data.formats import Example, parse_dialogue, with_prompt_suffix
-from rlhfkit.data.load import SourceReport, load_phase_data
+from rlhfkit.data.load import SourceReport, load_phase_data, load_ptx_rows
 from rlhfkit.data.sources import FORMATS_HELP, read_source
 from rlhfkit.data.splits import cut_eval, parse_data_split, phase_rows
 from rlhfkit.data.tokenize import (
@@ -34,7 +34,7 @@ def __getattr__(name):  # collators need torch; import them on first use
 
 
 __all__ = [
-    "Example", "SourceReport", "TokenizeReport", "load_phase_data", "read_source", "parse_dialogue",
+    "Example", "SourceReport", "TokenizeReport", "load_phase_data", "load_ptx_rows", "read_source", "parse_dialogue",
     "parse_data_split", "phase_rows", "cut_eval", "encode_prompt", "encode_response",
     "tokenize_sft", "tokenize_pairs", "tokenize_by_source", "tokenize_prompts", "tokenize_kto", "collate_sft", "collate_pairs",
     "collate_packed_pairs", "collate_prompts", "collate_kto", "IGNORE_INDEX", "FORMATS_HELP", "with_prompt_suffix",

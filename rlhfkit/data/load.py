@@ -131,6 +131,18 @@ def load_phase_data(
     return train, evals, reports
 
 
+def load_ptx_rows(paths: str | list[str], seed: int, strict: bool) -> list[Example]:
+    """Every usable row (prompt and response) of step 3's PTX data, ``--unsupervised_dataset_name``. Its
+    errors name that flag, not step 1 and ``--data_path``, whose loading it shares."""
+    try:
+        rows, _, _ = load_phase_data(paths, phase=1, need="sft", data_split="1,0,0", seed=seed, eval_fraction=0.0,
+                                     strict=strict)
+    except DataError as e:
+        text = str(e).replace(STEP_NAMES[1], "the PTX loss (step 3's --unsupervised_dataset_name)")
+        raise DataError(text.replace("--data_path", "--unsupervised_dataset_name")) from None
+    return rows
+
+
 def _only_phase(phase: int) -> str:
     return "--data_split " + ",".join("10" if p == phase else "0" for p in (1, 2, 3))
 
