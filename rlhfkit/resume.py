@@ -11,7 +11,8 @@
 A state is written under ``.step_<N>.tmp`` and renamed when complete; ``--resume auto`` takes the
 newest state whose files match their hashes (skipping, with a message, any that do not), while a
 state named explicitly must be complete. A resume whose config differs in a field that changes the
-run (batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``.
+run (batch sizes, data, model, ...) is refused unless ``--resume_allow_config_change``; one that the saved
+engine states cannot follow (the ZeRO stage across 0, 1-2 and 3, the dtype, the LoRA adapters) always is.
 
 A resume on another number of ranks is refused unless ``--resume_allow_world_size_change`` (which
 ``--resume_allow_config_change`` does not imply). With it, every program re-partitions the engines' ZeRO
@@ -48,6 +49,21 @@ FREE_FIELDS = {
     "max_nonfinite_steps", "print_answers", "print_answers_interval", "output_dir", "max_eval_samples",
     "eval_n_samples_per_prompt", "eval_greedy",
 }
+
+
+# Fields whose change leaves DeepSpeed unable to load the saved engine states (each seen failing with a
+# traceback): the ZeRO family (0, 1-2 and 3 write different files; 1 <-> 2 loads), the dtype (its optimizer
+# files and groups differ) and the LoRA adapters (other parameters). Offloading may change.
+ZERO_FAMILY = {0: "ZeRO-0", 1: "ZeRO-1/2", 2: "ZeRO-1/2", 3: "ZeRO-3"}
+LAYOUT_FIELDS = {f"{who}{name}" for who in ("", "actor_", "critic_") for name in ("dtype", "lora_dim", "lora_module_name")}
+
+
+def layout_changes(old: dict, new: dict) -> list[str]:
+    """The changed fields of ``new`` against the saved ``old`` config that the saved engine states cannot follow."""
+    changed = [k for k in sorted(LAYOUT_FIELDS) if k in old and k in new and old[k] != new[k]]
+    zero = [k for k in ("zero_stage", "actor_zero_stage", "critic_zero_stage") if k in old and k in new and
+            ZERO_FAMILY.get(old[k], old[k]) != ZERO_FAMILY.get(new[k], new[k])]
+    return sorted(changed + zero)
 
 
 def _rng_state() -> dict:
@@ -189,6 +205,13 @@ class RunState:
         if not diff:
             return
         msg = "changed: " + ", ".join(f"--{k} {old.get(k)!r} -> {new.get(k)!r}" for k in diff)
+        fixed = layout_changes(old, new)
+        if fixed:
+            raise CheckpointError(
+                f"--resume {path}: its engine states were saved with " + ", ".join(f"--{k} {old[k]}" for k in fixed) +
+                " and cannot be loaded with " + ", ".join(f"--{k} {new[k]}" for k in fixed) + " (DeepSpeed's saved "
+                "files differ between ZeRO-0, ZeRO-1/2 and ZeRO-3, between dtypes, and with other LoRA adapters; "
+                "--resume_allow_config_change does not cover it). Resume with the saved values")
         if self.allow_config_change:
             dist.print_rank0(f"[resume] {path}: {msg} (allowed by --resume_allow_config_change)")
             return

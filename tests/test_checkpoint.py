@@ -165,3 +165,25 @@ def test_resume_refuses_another_world_size_even_with_allow_config_change(tmp_pat
     RunState(str(tmp_path), {}, {"learning_rate": 0.2}, allow_config_change=True)._check_config(saved, tmp_path)
     with pytest.raises(CheckpointError, match="--learning_rate 0.1 -> 0.2"):
         RunState(str(tmp_path), {}, {"learning_rate": 0.2})._check_config(saved, tmp_path)
+
+
+def test_resume_refuses_a_layout_change_even_with_allow_config_change(tmp_path):
+    """The ZeRO stage across 0, 1-2 and 3, the dtype and the LoRA adapters change the files DeepSpeed saved (each
+    crashed in DeepSpeed's loader with --resume_allow_config_change): refused by name; ZeRO 1 <-> 2 and the
+    learning rate are waived."""
+    from rlhfkit.errors import CheckpointError
+    from rlhfkit.resume import RunState
+
+    saved_cfg = {"zero_stage": 3, "dtype": "bf16", "lora_dim": 0, "learning_rate": 0.1, "actor_zero_stage": 2}
+    saved = {"world_size": 1, "config": saved_cfg}
+    refused = [({"zero_stage": 2}, "saved with --zero_stage 3 and cannot be loaded with --zero_stage 2"),
+               ({"dtype": "fp32"}, "--dtype bf16 and cannot be loaded with --dtype fp32"),
+               ({"lora_dim": 4}, "--lora_dim 0 and cannot be loaded with --lora_dim 4"),
+               ({"actor_zero_stage": 0}, "--actor_zero_stage 2 and cannot be loaded with --actor_zero_stage 0"),
+               ({"zero_stage": 0, "learning_rate": 0.2}, "with --zero_stage 3 and cannot be loaded with --zero_stage 0")]
+    for change, message in refused:
+        state = RunState(str(tmp_path), {}, {**saved_cfg, **change}, allow_config_change=True)
+        with pytest.raises(CheckpointError, match=message):
+            state._check_config(saved, tmp_path)
+    RunState(str(tmp_path), {}, {**saved_cfg, "actor_zero_stage": 1, "learning_rate": 0.2},
+             allow_config_change=True)._check_config(saved, tmp_path)
