@@ -60,10 +60,17 @@ LAYOUT_FIELDS = {f"{who}{name}" for who in ("", "actor_", "critic_") for name in
 
 def layout_changes(old: dict, new: dict) -> list[str]:
     """The changed fields of ``new`` against the saved ``old`` config that the saved engine states cannot follow."""
-    changed = [k for k in sorted(LAYOUT_FIELDS) if k in old and k in new and old[k] != new[k]]
+    changed = [k for k in sorted(LAYOUT_FIELDS)
+               if k in old and k in new and old[k] != new[k] and not _no_adapters(k, old, new)]
     zero = [k for k in ("zero_stage", "actor_zero_stage", "critic_zero_stage") if k in old and k in new and
             ZERO_FAMILY.get(old[k], old[k]) != ZERO_FAMILY.get(new[k], new[k])]
     return sorted(changed + zero)
+
+
+def _no_adapters(field: str, old: dict, new: dict) -> bool:
+    """``field`` names LoRA modules, and neither config has adapters (then the modules change nothing)."""
+    dim = field.replace("module_name", "dim")
+    return field.endswith("lora_module_name") and not (old.get(dim) or new.get(dim))
 
 
 def _rng_state() -> dict:

@@ -174,7 +174,8 @@ def test_resume_refuses_a_layout_change_even_with_allow_config_change(tmp_path):
     from rlhfkit.errors import CheckpointError
     from rlhfkit.resume import RunState
 
-    saved_cfg = {"zero_stage": 3, "dtype": "bf16", "lora_dim": 0, "learning_rate": 0.1, "actor_zero_stage": 2}
+    saved_cfg = {"zero_stage": 3, "dtype": "bf16", "lora_dim": 0, "lora_module_name": "q_proj,v_proj", "learning_rate": 0.1,
+                 "actor_zero_stage": 2}
     saved = {"world_size": 1, "config": saved_cfg}
     refused = [({"zero_stage": 2}, "saved with --zero_stage 3 and cannot be loaded with --zero_stage 2"),
                ({"dtype": "fp32"}, "--dtype bf16 and cannot be loaded with --dtype fp32"),
@@ -185,5 +186,9 @@ def test_resume_refuses_a_layout_change_even_with_allow_config_change(tmp_path):
         state = RunState(str(tmp_path), {}, {**saved_cfg, **change}, allow_config_change=True)
         with pytest.raises(CheckpointError, match=message):
             state._check_config(saved, tmp_path)
-    RunState(str(tmp_path), {}, {**saved_cfg, "actor_zero_stage": 1, "learning_rate": 0.2},
-             allow_config_change=True)._check_config(saved, tmp_path)
+    RunState(str(tmp_path), {}, {**saved_cfg, "actor_zero_stage": 1, "learning_rate": 0.2, "lora_module_name": "q_proj"},
+             allow_config_change=True)._check_config(saved, tmp_path)  # no LoRA either side: its modules do not matter
+    with_lora = {"world_size": 1, "config": {**saved_cfg, "lora_dim": 4, "lora_module_name": "q_proj,v_proj"}}
+    with pytest.raises(CheckpointError, match="--lora_module_name q_proj,v_proj and cannot be loaded with --lora_module_name q_proj"):
+        RunState(str(tmp_path), {}, {**with_lora["config"], "lora_module_name": "q_proj"},
+                 allow_config_change=True)._check_config(with_lora, tmp_path)
