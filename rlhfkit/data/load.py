@@ -75,6 +75,14 @@ class SourceReport:
         return f"skipped {sum(self.skipped.values())}: {reasons}; first rows: {first}"
 
 
+@dataclass(frozen=True)
+class Reader:
+    """Who reads the data, as its error messages name it: the step, and the flag that gives it files."""
+
+    step: str
+    flag: str = "--data_path"
+
+
 def load_phase_data(
     paths: str | list[str],
     phase: int,
@@ -85,6 +93,7 @@ def load_phase_data(
     strict: bool = False,
     max_eval: int | None = None,
     max_per_prompt: int | None = None,
+    reader: Reader | None = None,
 ) -> tuple[list[Example], list[Example], list[SourceReport]]:
     """(train, eval, reports) for one step.
 
@@ -98,6 +107,7 @@ def load_phase_data(
         training alike. Preference sets with several pairs per instruction (AlpacaEval's) give one
         instruction's pairs as much weight as its number of pairs, and their held-out pairs are not
         independent; 1 keeps one pair per instruction.
+    reader: how the errors name the reader (default: the phase's step and --data_path).
     """
     if phase not in (1, 2, 3):
         raise ConfigError(f"phase must be 1, 2 or 3, not {phase!r}")
@@ -107,16 +117,17 @@ def load_phase_data(
         raise ConfigError(f"eval_fraction must be in [0, 1), not {eval_fraction!r}")
     if max_per_prompt is not None and max_per_prompt < 1:
         raise ConfigError(f"--max_per_prompt must be at least 1 (or left unset: every row), not {max_per_prompt}")
+    reader = reader or Reader(STEP_NAMES[phase])
     fractions = parse_data_split(data_split)
     if fractions[phase - 1] == 0:
         raise DataError(
-            f"--data_split {data_split} gives {STEP_NAMES[phase]} no share of the data (its share is 0). "
+            f"--data_split {data_split} gives {reader.step} no share of the data (its share is 0). "
             f"Give it a share, e.g. --data_split 2,4,4 to split one dataset across the three steps, or "
             f"{_only_phase(phase)} to give this step all rows of its own dataset."
         )
     sources = split_paths(paths)
     if not sources:
-        raise DataError("no data given: pass one or more files with --data_path.")
+        raise DataError(f"no data given: pass one or more files with {reader.flag}.")
 
     train: list[Example] = []
     evals: list[Example] = []
@@ -124,7 +135,7 @@ def load_phase_data(
     seen: set[str] = set()  # prompt keys of the sources read so far
     for path in sources:
         t, e, report = _load_source(path, phase, need, data_split, fractions, seed,
-                                    eval_fraction, strict, max_eval, seen, max_per_prompt)
+                                    eval_fraction, strict, max_eval, seen, max_per_prompt, reader)
         train += t
         evals += e
         reports.append(report)
@@ -132,14 +143,11 @@ def load_phase_data(
 
 
 def load_ptx_rows(paths: str | list[str], seed: int, strict: bool) -> list[Example]:
-    """Every usable row (prompt and response) of step 3's PTX data, ``--unsupervised_dataset_name``. Its
-    errors name that flag, not step 1 and ``--data_path``, whose loading it shares."""
-    try:
-        rows, _, _ = load_phase_data(paths, phase=1, need="sft", data_split="1,0,0", seed=seed, eval_fraction=0.0,
-                                     strict=strict)
-    except DataError as e:
-        text = str(e).replace(STEP_NAMES[1], "the PTX loss (step 3's --unsupervised_dataset_name)")
-        raise DataError(text.replace("--data_path", "--unsupervised_dataset_name")) from None
+    """Every usable row (prompt and response) of step 3's PTX data, ``--unsupervised_dataset_name``, read as
+    step 1 reads its data; the errors name the PTX loss and its flag."""
+    rows, _, _ = load_phase_data(paths, phase=1, need="sft", data_split="1,0,0", seed=seed, eval_fraction=0.0,
+                                 strict=strict, reader=Reader("the PTX loss (step 3's --unsupervised_dataset_name)",
+                                                              "--unsupervised_dataset_name"))
     return rows
 
 
@@ -158,27 +166,27 @@ def prompt_key(fmt, raw, row: int):
 
 
 def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, strict, max_eval, seen,
-                 max_per_prompt=None):
+                 max_per_prompt, reader):
     raw = read_source(path)
     fmt = detect_format(raw)
     if _ORDER[fmt.provides] < _ORDER[need]:
         raise DataError(
             f"{path} holds {_NEED_WORDS[fmt.provides]} (format {fmt.name}), but "
-            f"{STEP_NAMES[phase]} needs {_NEED_WORDS[need]}. Use this file for a step that needs "
-            f"{_NEED_WORDS[fmt.provides]}, or pass another --data_path."
+            f"{reader.step} needs {_NEED_WORDS[need]}. Use this file for a step that needs "
+            f"{_NEED_WORDS[fmt.provides]}, or pass another {reader.flag}."
         )
     keys = [prompt_key(fmt, raw, row) for row in range(len(raw.rows))]
     rows = [row for row, key in enumerate(keys) if key not in seen]  # without prompts of earlier sources
     seen.update(k for k in keys if isinstance(k, str))
     if raw.rows and not rows:
-        raise DataError(f"{path}: every prompt of its {len(raw.rows)} rows is already in an earlier --data_path. "
-                        "Drop the duplicate file from --data_path.")
+        raise DataError(f"{path}: every prompt of its {len(raw.rows)} rows is already in an earlier {reader.flag}. "
+                        f"Drop the duplicate file from {reader.flag}.")
     local_groups = group_ids([keys[row] for row in rows])
     share = [rows[i] for i in phase_rows(len(rows), fractions, phase, seed, local_groups)]
     groups = dict(zip(rows, local_groups))
     if not share:
         raise DataError(
-            f"--data_split {data_split} leaves {STEP_NAMES[phase]} no rows of {path}: its share "
+            f"--data_split {data_split} leaves {reader.step} no rows of {path}: its share "
             f"({fractions[phase - 1]:.0%}) of {len(raw.rows)} rows rounds to 0. Use more data, or give "
             f"this step a larger share, e.g. {_only_phase(phase)}."
         )
@@ -210,7 +218,7 @@ def _load_source(path, phase, need, data_split, fractions, seed, eval_fraction, 
     )
     if not usable:
         raise DataError(
-            f"{path} has no usable rows for {STEP_NAMES[phase]} (need {need}): all "
+            f"{path} has no usable rows for {reader.step} (need {need}): all "
             f"{len(share)} rows of its share were {report.skips_text()}. Check the file against "
             f"its format ({report.format}), or run with --strict to stop at the first bad row."
         )
